@@ -1,0 +1,1 @@
+"""The flow, as Dagster assets: dataset → captions → training → evals → best checkpoint → demo."""

@@ -1,0 +1,65 @@
+"""Demo: the best checkpoint served on a ``lab-…`` cluster, its URL recorded."""
+
+import dagster as dg
+from pydantic import Field, field_validator
+
+from gpudoor_pipelines.launch.resource import LaunchConfig, SkyPilotResource
+from gpudoor_pipelines.transit.io_manager import TransitRef
+
+DEFAULT_DEMO_CLUSTER = "lab-gpudoor-demo"
+
+
+class DemoConfig(LaunchConfig):
+    """Run config of the demo."""
+
+    cluster_name: str = Field(
+        default=DEFAULT_DEMO_CLUSTER, description="Cluster to serve on; demo clusters are named lab-…."
+    )
+
+    @field_validator("cluster_name")
+    @classmethod
+    def _lab_prefix(cls, value: str) -> str:
+        if not value.startswith("lab-"):
+            raise ValueError(f"cluster_name '{value}': demo clusters must be named lab-… (e.g. lab-{value})")
+        return value
+
+
+@dg.asset(group_name="demo", kinds={"skypilot"}, pool="gpudoor-demo")
+def demo(
+    context: dg.AssetExecutionContext,
+    config: DemoConfig,
+    skypilot: SkyPilotResource,
+    best_checkpoint: TransitRef,
+) -> dg.MaterializeResult:
+    """The best checkpoint behind an HTTP endpoint, for the product team to try; re-materializing replaces it."""
+    service = skypilot.serve(
+        context,
+        "demo",
+        cluster_name=config.cluster_name,
+        inputs={"CHECKPOINT_URI": best_checkpoint.uri},
+        launch_config=config,
+    )
+    md = dict(service.metadata)
+    md["checkpoint"] = best_checkpoint.manifest.get("checkpoint", best_checkpoint.uri)
+    md["stop_with"] = f"gpudoor demo stop {config.cluster_name}"
+    return dg.MaterializeResult(metadata=md)
+
+
+class StopDemoConfig(dg.Config):
+    """Which demo to stop."""
+
+    cluster_name: str = Field(default=DEFAULT_DEMO_CLUSTER, description="The demo's cluster.")
+
+
+@dg.op
+def stop_demo(context: dg.OpExecutionContext, config: StopDemoConfig, skypilot: SkyPilotResource) -> None:
+    """Tears the demo's cluster down."""
+    if skypilot.stop_service(config.cluster_name):
+        context.log.info(f"Stopped {config.cluster_name}.")
+    else:
+        context.log.info(f"No demo running on {config.cluster_name}.")
+
+
+@dg.job(description="Stop a running demo and free its GPU.")
+def stop_demo_job() -> None:
+    stop_demo()

@@ -1,0 +1,1 @@
+"""Schedules and sensors: the nightly captioning window, the morning merge, evals for new checkpoints."""

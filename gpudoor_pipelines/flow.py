@@ -1,0 +1,102 @@
+"""The whole flow, materialized in order on one Dagster instance: the main job of the embedded default.
+
+The same assets run from the UI, schedules and sensors; this module strings them together for one
+command (``gpudoor flow``): dataset → every caption shard → merge → smoke test + training → an
+evaluation per checkpoint → best checkpoint → demo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import dagster as dg
+
+from gpudoor_pipelines.assets.partitions import SHARD_KEYS, checkpoint_partitions
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class FlowSummary:
+    """What the flow produced."""
+
+    best_checkpoint: str
+    accuracy: float
+    demo_url: str
+    demo_cluster: str
+    checkpoints: list[str]
+    run_ids: list[str]
+
+
+def _latest_md(instance: dg.DagsterInstance, key: str) -> dict:
+    event = instance.get_latest_materialization_event(dg.AssetKey(key))
+    if event is None or event.asset_materialization is None:
+        return {}
+    return {k: v.value for k, v in event.asset_materialization.metadata.items()}
+
+
+def run_flow(
+    defs: dg.Definitions,
+    instance: dg.DagsterInstance,
+    *,
+    run_config: dict | None = None,
+    on_step: Callable[[str], None] | None = None,
+) -> FlowSummary:
+    """Materializes every asset of the flow in dependency order.
+
+    Args:
+        defs: the code location's definitions.
+        instance: the Dagster instance to record runs in.
+        run_config: extra run config per asset key, e.g. ``{"dataset_shards": {"num_images": 48}}``.
+        on_step: called with a short description before each run.
+
+    Raises:
+        RuntimeError: a run failed; the message names the asset and the run id.
+    """
+    job = defs.resolve_implicit_global_asset_job_def()
+    run_ids: list[str] = []
+    config = run_config or {}
+
+    def materialize(key: str, partition: str | None = None) -> None:
+        label = f"{key}[{partition}]" if partition else key
+        if on_step:
+            on_step(label)
+        ops = {key: {"config": config[key]}} if key in config else {}
+        result = job.execute_in_process(
+            instance=instance,
+            asset_selection=[dg.AssetKey(key)],
+            partition_key=partition,
+            run_config={"ops": ops} if ops else None,
+            raise_on_error=False,
+        )
+        run_ids.append(result.run_id)
+        if not result.success:
+            failures = [e.message for e in result.all_events if e.is_step_failure]
+            raise RuntimeError(
+                f"{label} failed (run {result.run_id}): {' | '.join(str(f) for f in failures)}"
+            )
+
+    materialize("dataset_shards")
+    for shard in SHARD_KEYS:
+        materialize("caption_shards", shard)
+    materialize("captioned_dataset")
+    materialize("training_run")
+    checkpoints = list(_latest_md(instance, "training_run").get("checkpoints") or [])
+    if not checkpoints:
+        checkpoints = list(instance.get_dynamic_partitions(checkpoint_partitions.name))
+    for ckpt in checkpoints:
+        materialize("checkpoint_evals", ckpt)
+    materialize("best_checkpoint")
+    materialize("demo")
+    best = _latest_md(instance, "best_checkpoint")
+    demo = _latest_md(instance, "demo")
+    return FlowSummary(
+        best_checkpoint=str(best.get("checkpoint")),
+        accuracy=float(best.get("accuracy", 0.0)),
+        demo_url=str(demo.get("url")),
+        demo_cluster=str(demo.get("cluster_name")),
+        checkpoints=checkpoints,
+        run_ids=run_ids,
+    )

@@ -1,0 +1,156 @@
+"""The one interface every backend fills: submit, watch, read logs, cancel, serve."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+from typing import Any
+
+
+class JobState(enum.StrEnum):
+    """Managed-job states, named as SkyPilot names them."""
+
+    PENDING = "PENDING"
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    RECOVERING = "RECOVERING"
+    CANCELLING = "CANCELLING"
+    SUCCEEDED = "SUCCEEDED"
+    CANCELLED = "CANCELLED"
+    FAILED = "FAILED"
+    FAILED_SETUP = "FAILED_SETUP"
+    FAILED_PRECHECKS = "FAILED_PRECHECKS"
+    FAILED_NO_RESOURCE = "FAILED_NO_RESOURCE"
+    FAILED_CONTROLLER = "FAILED_CONTROLLER"
+
+    @property
+    def is_terminal(self) -> bool:
+        """The job will not change state again."""
+        return self in _TERMINAL
+
+    @property
+    def is_failure(self) -> bool:
+        """A terminal state other than success."""
+        return self.is_terminal and self is not JobState.SUCCEEDED
+
+
+_TERMINAL = {
+    JobState.SUCCEEDED,
+    JobState.CANCELLED,
+    JobState.FAILED,
+    JobState.FAILED_SETUP,
+    JobState.FAILED_PRECHECKS,
+    JobState.FAILED_NO_RESOURCE,
+    JobState.FAILED_CONTROLLER,
+}
+
+FAILURE_MEANING = {
+    JobState.FAILED: "the job's run command exited non-zero",
+    JobState.FAILED_SETUP: "the job's setup command failed",
+    JobState.FAILED_PRECHECKS: "the job was refused before it started (invalid task or policy)",
+    JobState.FAILED_NO_RESOURCE: "no resources were available for the job",
+    JobState.FAILED_CONTROLLER: "the managed-jobs controller failed",
+    JobState.CANCELLED: "the job was cancelled",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedJob:
+    """A job ready to launch: the task after routing and fleet rules.
+
+    Attributes:
+        name: job name (derived from the Dagster run, asset and partition).
+        config: the SkyPilot task YAML mapping, with ``envs``, ``secrets``, ``resources.infra``.
+        workdir: the folder the job runs in (holds ``workloads/``).
+        pool: the pool's name.
+        pool_env: the env the pool injected (cluster paths), so a local run can map them.
+        cluster_name: for services (demos): the cluster to launch on.
+    """
+
+    name: str
+    config: dict[str, Any]
+    workdir: str
+    pool: str
+    pool_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    cluster_name: str | None = None
+
+    @property
+    def secrets(self) -> dict[str, str]:
+        """Credentials for the job (never logged)."""
+        s = self.config.get("secrets") or {}
+        return {k: str(v) for k, v in s.items()} if isinstance(s, dict) else {}
+
+
+@dataclasses.dataclass(frozen=True)
+class JobInfo:
+    """What a backend knows about one job.
+
+    Times are UNIX seconds (None until they happen).
+    """
+
+    job_id: str
+    state: JobState
+    name: str = ""
+    infra: str = ""
+    recoveries: int = 0
+    submitted_at: float | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+    detail: str = ""
+
+
+class LogFollower(abc.ABC):
+    """Incremental reader of a job's log; lines come out once each, in order."""
+
+    @abc.abstractmethod
+    def poll(self) -> list[str]:
+        """Lines written since the last call."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Stops following."""
+
+
+class Backend(abc.ABC):
+    """Runs resolved jobs somewhere. Implementations know nothing of Dagster."""
+
+    name: str = "backend"
+
+    @abc.abstractmethod
+    def submit(self, job: ResolvedJob) -> str:
+        """Launches the job as a managed job; returns its id."""
+
+    @abc.abstractmethod
+    def status(self, job_id: str) -> JobInfo:
+        """The job's current state."""
+
+    @abc.abstractmethod
+    def follow_logs(self, job_id: str) -> LogFollower:
+        """A follower of the job's log from the start."""
+
+    @abc.abstractmethod
+    def log_tail(self, job_id: str, lines: int = 30) -> list[str]:
+        """The last lines of the job's log."""
+
+    @abc.abstractmethod
+    def cancel(self, job_id: str) -> None:
+        """Asks for the job to be cancelled (returns at once)."""
+
+    @abc.abstractmethod
+    def gpus_in_use(self) -> dict[str, int]:
+        """GPUs held by jobs that have not ended, per pool."""
+
+    @abc.abstractmethod
+    def start_service(self, job: ResolvedJob) -> str:
+        """Launches a long-running service on ``job.cluster_name``; returns a job id."""
+
+    @abc.abstractmethod
+    def service_url(self, job: ResolvedJob, job_id: str, port: int) -> str | None:
+        """The URL the service answers on, once known."""
+
+    @abc.abstractmethod
+    def stop_service(self, cluster_name: str) -> bool:
+        """Tears a service's cluster down; True if one was running."""
+
+    def check(self) -> None:  # noqa: B027 - optional hook
+        """Raises a clear error when the backend cannot be reached (before anything is submitted)."""

@@ -1,0 +1,325 @@
+"""The embedded default: run a task's ``setup`` and ``run`` as local processes.
+
+Each job gets a folder under the jobs root with its task (secrets stripped), its log and its state,
+and a runner process in its own session that runs setup then run once per node rank, with the same
+environment SkyPilot gives a job (``SKYPILOT_*``), plus the pool's env mapped under a local folder.
+Jobs outlive the Dagster step that launched them, like managed jobs; cancelling kills the whole
+process tree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets as pysecrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from gpudoor_pipelines.launch.backends.base import Backend, JobInfo, JobState, LogFollower, ResolvedJob
+from gpudoor_pipelines.launch.specs import parse_accelerators
+
+LOG_FILE = "run.log"
+STATE_FILE = "state.json"
+TASK_FILE = "task.json"
+RUNNER_FILE = "runner.json"
+
+
+def default_home() -> Path:
+    """``$GPUDOOR_HOME`` or ``~/.gpudoor``: where the embedded default keeps its state."""
+    return Path(os.environ.get("GPUDOOR_HOME") or Path.home() / ".gpudoor")
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def read_state(job_dir: Path) -> dict:
+    """The job's state file (empty before the runner writes it)."""
+    try:
+        return json.loads((job_dir / STATE_FILE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def write_state(job_dir: Path, **fields: object) -> dict:
+    """Updates the job's state file atomically."""
+    state = read_state(job_dir)
+    state.update(fields)
+    tmp = job_dir / f".{STATE_FILE}.{os.getpid()}"
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, job_dir / STATE_FILE)
+    return state
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # A zombie child of ours counts as gone.
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+class _FileFollower(LogFollower):
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._offset = 0
+        self._partial = b""
+
+    def poll(self) -> list[str]:
+        try:
+            with open(self._path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self._offset += len(data)
+        data = self._partial + data
+        *lines, self._partial = data.split(b"\n")
+        return [line.decode(errors="replace") for line in lines]
+
+
+class LocalBackend(Backend):
+    """Runs jobs as local processes with SkyPilot's environment contract.
+
+    Args:
+        home: state folder (default ``$GPUDOOR_HOME`` or ``~/.gpudoor``); jobs go under ``jobs/``,
+            pool paths under ``pools/<pool>/``.
+        python: interpreter whose folder is put first on the jobs' PATH (default: this one).
+    """
+
+    name = "local"
+
+    def __init__(self, home: str | Path | None = None, python: str | None = None) -> None:
+        self.home = Path(home) if home else default_home()
+        self.jobs_root = self.home / "jobs"
+        self.python = python or sys.executable
+
+    def job_dir(self, job_id: str) -> Path:
+        """The folder of one job."""
+        return self.jobs_root / job_id
+
+    def map_pool_env(self, pool: str, pool_env: dict[str, str]) -> dict[str, str]:
+        """Maps the pool's cluster paths under ``<home>/pools/<pool>/`` and creates them."""
+        out = {}
+        for key, value in pool_env.items():
+            if value.startswith("/"):
+                local = self.home / "pools" / pool / value.lstrip("/")
+                local.mkdir(parents=True, exist_ok=True)
+                out[key] = str(local)
+            else:
+                out[key] = value
+        return out
+
+    def _spawn(self, job: ResolvedJob, service: bool) -> str:
+        job_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{pysecrets.token_hex(3)}"
+        job_dir = self.job_dir(job_id)
+        job_dir.mkdir(parents=True)
+        config = {k: v for k, v in job.config.items() if k != "secrets"}
+        envs = dict(config.get("envs") or {})
+        envs.update(self.map_pool_env(job.pool, job.pool_env))
+        # Ports: many services share one laptop, so each gets a free port on loopback.
+        if service:
+            envs["SERVE_HOST"] = "127.0.0.1"
+            if "PORT" in envs:
+                envs["PORT"] = str(free_port())
+        config["envs"] = envs
+        (job_dir / TASK_FILE).write_text(
+            json.dumps({"name": job.name, "pool": job.pool, "config": config, "workdir": job.workdir,
+                        "cluster_name": job.cluster_name, "service": service})
+        )  # fmt: skip
+        write_state(
+            job_dir, state=JobState.PENDING.value, submitted_at=time.time(), name=job.name, pool=job.pool
+        )
+        env = dict(os.environ)
+        env.update(job.secrets)  # Reach the runner through its environment only, never a file.
+        env["GPUDOOR_SECRET_NAMES"] = ",".join(sorted(job.secrets))
+        log = open(job_dir / "runner.stderr", "ab")
+        proc = subprocess.Popen(
+            [self.python, "-m", "gpudoor_pipelines.launch.backends.local_runner", str(job_dir)],
+            env=env,
+            cwd=job.workdir,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
+        log.close()
+        (job_dir / RUNNER_FILE).write_text(json.dumps({"pid": proc.pid, "pgid": proc.pid}))
+        return job_id
+
+    def submit(self, job: ResolvedJob) -> str:
+        """Starts the job's runner and returns at once."""
+        return self._spawn(job, service=False)
+
+    def _runner(self, job_id: str) -> dict:
+        try:
+            return json.loads((self.job_dir(job_id) / RUNNER_FILE).read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}
+
+    def status(self, job_id: str) -> JobInfo:
+        """Reads the job's state; a runner that died without a verdict means FAILED_CONTROLLER."""
+        job_dir = self.job_dir(job_id)
+        if not job_dir.is_dir():
+            raise KeyError(f"no local job {job_id} under {self.jobs_root}")
+        state = read_state(job_dir)
+        current = JobState(state.get("state", JobState.PENDING.value))
+        if not current.is_terminal and not _alive(self._runner(job_id).get("pid")):
+            # Give a runner that just finished a moment to write its verdict.
+            time.sleep(0.2)
+            state = read_state(job_dir)
+            current = JobState(state.get("state", JobState.PENDING.value))
+            if not current.is_terminal:
+                state = write_state(
+                    job_dir,
+                    state=JobState.FAILED_CONTROLLER.value,
+                    ended_at=time.time(),
+                    detail="the local runner died",
+                )
+                current = JobState.FAILED_CONTROLLER
+        return JobInfo(
+            job_id=job_id,
+            state=current,
+            name=state.get("name", ""),
+            infra=f"local ({state.get('pool', '?')})",
+            recoveries=int(state.get("recoveries", 0)),
+            submitted_at=state.get("submitted_at"),
+            started_at=state.get("started_at"),
+            ended_at=state.get("ended_at"),
+            detail=state.get("detail", ""),
+        )
+
+    def follow_logs(self, job_id: str) -> LogFollower:
+        """Follows ``run.log`` of the job."""
+        return _FileFollower(self.job_dir(job_id) / LOG_FILE)
+
+    def log_tail(self, job_id: str, lines: int = 30) -> list[str]:
+        """The last lines of the job's log."""
+        try:
+            text = (self.job_dir(job_id) / LOG_FILE).read_text(errors="replace")
+        except FileNotFoundError:
+            return []
+        return text.splitlines()[-lines:]
+
+    def cancel(self, job_id: str) -> None:
+        """Terminates the job's whole process tree (SIGTERM, then SIGKILL after a grace period)."""
+        job_dir = self.job_dir(job_id)
+        if JobState(read_state(job_dir).get("state", "PENDING")).is_terminal:
+            return
+        write_state(job_dir, state=JobState.CANCELLING.value)
+        pgid = self._runner(job_id).get("pgid")
+        if not pgid:
+            write_state(job_dir, state=JobState.CANCELLED.value, ended_at=time.time())
+            return
+        _kill_group(pgid, signal.SIGTERM)
+        deadline = time.time() + 10
+        while time.time() < deadline and _group_alive(pgid):
+            time.sleep(0.1)
+        if _group_alive(pgid):
+            _kill_group(pgid, signal.SIGKILL)
+        state = read_state(job_dir)
+        if (
+            not JobState(state.get("state", "PENDING")).is_terminal
+            or state.get("state") == JobState.CANCELLING.value
+        ):
+            write_state(job_dir, state=JobState.CANCELLED.value, ended_at=time.time())
+
+    def gpus_in_use(self) -> dict[str, int]:
+        """GPUs requested by local jobs that have not ended, per pool."""
+        out: dict[str, int] = {}
+        if not self.jobs_root.is_dir():
+            return out
+        for job_dir in self.jobs_root.iterdir():
+            state = read_state(job_dir)
+            if not state or JobState(state.get("state", "PENDING")).is_terminal:
+                continue
+            if not _alive(self._runner(job_dir.name).get("pid")):
+                continue
+            try:
+                task = json.loads((job_dir / TASK_FILE).read_text())
+            except (FileNotFoundError, json.JSONDecodeError):
+                continue
+            accel = parse_accelerators(task["config"].get("resources", {}).get("accelerators"))
+            gpus = sum(accel.values()) * int(task["config"].get("num_nodes") or 1)
+            out[task["pool"]] = out.get(task["pool"], 0) + gpus
+        return out
+
+    def start_service(self, job: ResolvedJob) -> str:
+        """Starts a service; any earlier service on the same cluster name is stopped first."""
+        self.stop_service(job.cluster_name or job.name)
+        job_id = self._spawn(job, service=True)
+        self._clusters_dir.mkdir(parents=True, exist_ok=True)
+        (self._clusters_dir / f"{job.cluster_name or job.name}.json").write_text(
+            json.dumps({"job_id": job_id})
+        )
+        return job_id
+
+    @property
+    def _clusters_dir(self) -> Path:
+        return self.home / "clusters"
+
+    def service_url(self, job: ResolvedJob, job_id: str, port: int) -> str | None:
+        """``http://127.0.0.1:<port>`` once the service's port answers."""
+        try:
+            task = json.loads((self.job_dir(job_id) / TASK_FILE).read_text())
+        except FileNotFoundError:
+            return None
+        local_port = int(task["config"]["envs"].get("PORT", port))
+        with socket.socket() as s:
+            s.settimeout(0.5)
+            if s.connect_ex(("127.0.0.1", local_port)) != 0:
+                return None
+        return f"http://127.0.0.1:{local_port}"
+
+    def stop_service(self, cluster_name: str) -> bool:
+        """Stops the service running under ``cluster_name``."""
+        record = self._clusters_dir / f"{cluster_name}.json"
+        if not record.is_file():
+            return False
+        job_id = json.loads(record.read_text())["job_id"]
+        was_running = not self.status(job_id).state.is_terminal
+        self.cancel(job_id)
+        record.unlink(missing_ok=True)
+        return was_running
+
+    def clusters(self) -> dict[str, str]:
+        """Running services: cluster name → job id."""
+        if not self._clusters_dir.is_dir():
+            return {}
+        return {p.stem: json.loads(p.read_text())["job_id"] for p in self._clusters_dir.glob("*.json")}
+
+
+def _kill_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    for pid_dir in Path("/proc").iterdir():
+        if not pid_dir.name.isdigit():
+            continue
+        try:
+            with open(pid_dir / "stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False

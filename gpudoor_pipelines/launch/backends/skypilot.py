@@ -1,0 +1,287 @@
+"""The production backend: SkyPilot managed jobs through the Python SDK and an API server.
+
+The only module of the package that imports ``sky`` (lazily, after usage collection is switched
+off). Every call goes through the SDK against the configured API server; the ``sky`` command line is
+never used. Requests return ids, resolved with ``sky.get``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import queue
+import re
+import threading
+from typing import Any
+
+from gpudoor_pipelines.launch import sky_env
+from gpudoor_pipelines.launch.backends.base import Backend, JobInfo, JobState, LogFollower, ResolvedJob
+from gpudoor_pipelines.launch.errors import LaunchConfigError
+from gpudoor_pipelines.launch.rules import LABEL_POOL
+
+_QUEUE_FIELDS = [
+    "job_id", "job_name", "status", "infra", "cloud", "region", "zone", "recovery_count", "submitted_at", "start_at",
+    "end_at", "job_duration", "failure_reason", "details", "labels", "accelerators", "resources",
+]  # fmt: skip
+_SERVICE_SEP = "@"  # service job ids are "<cluster>@<cluster job id>"
+_NODES = re.compile(r"^(\d+)x")
+
+
+def _sky():
+    sky_env.prepare()
+    import sky
+
+    return sky
+
+
+class _ThreadFollower(LogFollower):
+    """Runs a blocking SDK log stream in a thread; ``poll`` hands out the lines received so far."""
+
+    def __init__(self, stream_factory) -> None:
+        self._lines: queue.Queue[str] = queue.Queue()
+        self._stop = threading.Event()
+        self._partial = ""
+        self._thread = threading.Thread(target=self._run, args=(stream_factory,), daemon=True)
+        self._thread.start()
+
+    def _run(self, stream_factory) -> None:
+        try:
+            for chunk in stream_factory():
+                if chunk is None or self._stop.is_set():
+                    break
+                text = self._partial + chunk
+                *lines, self._partial = text.split("\n")
+                for line in lines:
+                    self._lines.put(line.rstrip("\r"))
+        except Exception as e:  # The stream ends with the job or the connection; say so in the log.
+            self._lines.put(f"[gpudoor] log stream ended: {type(e).__name__}: {e}")
+        if self._partial:
+            self._lines.put(self._partial)
+            self._partial = ""
+
+    def poll(self) -> list[str]:
+        out = []
+        while True:
+            try:
+                out.append(self._lines.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def _state(status: Any) -> JobState:
+    name = getattr(status, "value", status)
+    try:
+        return JobState(str(name))
+    except ValueError:
+        # Newer SkyPilot states map onto the closest one we know.
+        return JobState.RUNNING if "RUN" in str(name) else JobState.PENDING
+
+
+class SkyPilotBackend(Backend):
+    """Launches resolved jobs as SkyPilot managed jobs on the team's API server.
+
+    Args:
+        endpoint: the API server URL; required (a missing one never starts a local server).
+        token: a service-account token, if the server needs one.
+    """
+
+    name = "skypilot"
+
+    def __init__(self, endpoint: str | None, token: str | None = None) -> None:
+        if not endpoint:
+            raise LaunchConfigError(
+                "resource skypilot",
+                "api_server_endpoint",
+                "the skypilot backend needs an API server",
+                "set SKYPILOT_API_SERVER_ENDPOINT (or GPUDOOR_BACKEND=local for the embedded default)",
+            )
+        self.endpoint = endpoint.rstrip("/")
+        # The SDK reads both from the environment of this process.
+        os.environ["SKYPILOT_API_SERVER_ENDPOINT"] = self.endpoint
+        if token:
+            os.environ["SKYPILOT_SERVICE_ACCOUNT_TOKEN"] = token
+
+    def check(self) -> None:
+        """Fails fast, before anything is submitted, when the API server does not answer."""
+        sky_env.prepare()
+        from sky import exceptions
+        from sky.server import common
+
+        try:
+            common.check_server_healthy(self.endpoint)
+        except (exceptions.ApiServerConnectionError, exceptions.ApiServerAuthenticationError) as e:
+            raise LaunchConfigError(
+                "resource skypilot",
+                "api_server_endpoint",
+                f"no SkyPilot API server answers at {self.endpoint} ({type(e).__name__})",
+                "start the API server or correct SKYPILOT_API_SERVER_ENDPOINT / SKYPILOT_SERVICE_ACCOUNT_TOKEN",
+            ) from None
+
+    def build_task(self, job: ResolvedJob):
+        """The ``sky.Task`` for a resolved job: envs, secrets, resources with infra and labels, workdir."""
+        sky = _sky()
+        config = copy.deepcopy(job.config)
+        secrets = config.pop("secrets", None) or {}
+        config["name"] = job.name
+        task = sky.Task.from_yaml_config(config, secrets_overrides=list(secrets.items()) or None)
+        task.workdir = job.workdir
+        return task
+
+    def submit(self, job: ResolvedJob) -> str:
+        """``sky.jobs.launch`` of the job; returns the managed job id."""
+        sky = _sky()
+        from sky import exceptions
+
+        task = self.build_task(job)
+        try:
+            job_ids, _ = sky.get(sky.jobs.launch(task, name=job.name))
+        except exceptions.UserRequestRejectedByPolicy as e:
+            raise LaunchConfigError(job.config.get("name", job.name), "(admin policy)", f"rejected by the API server's policy: {e}",
+                                    "change what the policy names, then relaunch") from None  # fmt: skip
+        except (exceptions.ResourcesUnavailableError, ValueError) as e:
+            raise LaunchConfigError(
+                job.name,
+                "resources",
+                f"SkyPilot cannot place the job: {e}",
+                "check the pool's infra and GPUs in task_specs/fleet.yaml",
+            ) from None
+        if not job_ids:
+            raise RuntimeError(f"SkyPilot returned no job id for {job.name}")
+        return str(job_ids[0])
+
+    def _record(self, job_id: int):
+        sky = _sky()
+        records, *_ = sky.get(
+            sky.jobs.queue_v2(refresh=False, all_users=True, job_ids=[job_id], fields=_QUEUE_FIELDS)
+        )
+        for record in records:
+            if record.job_id == job_id:
+                return record
+        raise KeyError(f"no managed job {job_id} on {self.endpoint}")
+
+    def status(self, job_id: str) -> JobInfo:
+        """The managed job's record from ``sky.jobs.queue_v2``."""
+        if _SERVICE_SEP in job_id:
+            return self._service_status(job_id)
+        r = self._record(int(job_id))
+        infra = r.infra or "/".join(x for x in (r.cloud, r.region, r.zone) if x)
+        return JobInfo(
+            job_id=job_id,
+            state=_state(r.status),
+            name=r.job_name or "",
+            infra=infra,
+            recoveries=int(r.recovery_count or 0),
+            submitted_at=r.submitted_at,
+            started_at=r.start_at,
+            ended_at=r.end_at,
+            detail=r.failure_reason or r.details or "",
+        )
+
+    def follow_logs(self, job_id: str) -> LogFollower:
+        """Streams ``sky.jobs.tail_logs(follow=True)`` in a thread."""
+        sky = _sky()
+        if _SERVICE_SEP in job_id:
+            cluster, cid = job_id.split(_SERVICE_SEP)
+            return _ThreadFollower(
+                lambda: sky.tail_logs(cluster, int(cid), follow=True, preload_content=False)
+            )
+        return _ThreadFollower(
+            lambda: sky.jobs.tail_logs(job_id=int(job_id), follow=True, preload_content=False)
+        )
+
+    def log_tail(self, job_id: str, lines: int = 30) -> list[str]:
+        """The last lines of the job's log."""
+        import io
+
+        sky = _sky()
+        out = io.StringIO()
+        try:
+            if _SERVICE_SEP in job_id:
+                cluster, cid = job_id.split(_SERVICE_SEP)
+                sky.tail_logs(cluster, int(cid), follow=False, tail=lines, output_stream=out)
+            else:
+                sky.jobs.tail_logs(job_id=int(job_id), follow=False, tail=lines, output_stream=out)
+        except Exception as e:  # The tail is best effort: the failure itself is reported anyway.
+            return [f"[gpudoor] could not fetch the log tail: {type(e).__name__}: {e}"]
+        return [line for line in out.getvalue().splitlines() if line.strip()][-lines:]
+
+    def cancel(self, job_id: str) -> None:
+        """``sky.jobs.cancel`` of the job (returns once the request is accepted)."""
+        sky = _sky()
+        if _SERVICE_SEP in job_id:
+            self.stop_service(job_id.split(_SERVICE_SEP)[0])
+            return
+        sky.get(sky.jobs.cancel(job_ids=[int(job_id)]))
+
+    def gpus_in_use(self) -> dict[str, int]:
+        """GPUs held by unfinished managed jobs, per pool label."""
+        sky = _sky()
+        records, *_ = sky.get(
+            sky.jobs.queue_v2(refresh=False, skip_finished=True, all_users=True, fields=_QUEUE_FIELDS)
+        )
+        out: dict[str, int] = {}
+        for r in records:
+            pool = (r.labels or {}).get(LABEL_POOL)
+            if not pool:
+                continue
+            per_node = sum(int(v) for v in (r.accelerators or {}).values())
+            nodes = _NODES.match(r.resources or "")
+            out[pool] = out.get(pool, 0) + per_node * (int(nodes.group(1)) if nodes else 1)
+        return out
+
+    # ----------------------------------------------------------------- services (demos)
+    def start_service(self, job: ResolvedJob) -> str:
+        """``sky.launch`` on ``job.cluster_name`` (autostop comes from the task's resources)."""
+        sky = _sky()
+        task = self.build_task(job)
+        cluster = job.cluster_name or job.name
+        job_id, _ = sky.get(sky.launch(task, cluster_name=cluster, retry_until_up=False))
+        return f"{cluster}{_SERVICE_SEP}{job_id}"
+
+    def _service_status(self, job_id: str) -> JobInfo:
+        sky = _sky()
+        cluster, cid = job_id.split(_SERVICE_SEP)
+        statuses = sky.get(sky.job_status(cluster, job_ids=[int(cid)]))
+        status = statuses.get(int(cid))
+        name = getattr(status, "value", str(status))
+        state = {
+            "SUCCEEDED": JobState.SUCCEEDED,
+            "CANCELLED": JobState.CANCELLED,
+            "FAILED_SETUP": JobState.FAILED_SETUP,
+        }.get(
+            name,
+            JobState.FAILED
+            if name and "FAIL" in name
+            else JobState.RUNNING
+            if status
+            else JobState.FAILED_CONTROLLER,
+        )
+        return JobInfo(job_id=job_id, state=state, name=cluster, infra=cluster)
+
+    def service_url(self, job: ResolvedJob, job_id: str, port: int) -> str | None:
+        """``sky.endpoints`` of the cluster's port."""
+        sky = _sky()
+        cluster = job_id.split(_SERVICE_SEP)[0]
+        try:
+            endpoints = sky.get(sky.endpoints(cluster, port))
+        except Exception:  # Not ready yet: the caller polls until its deadline.
+            return None
+        url = endpoints.get(port) or endpoints.get(str(port))
+        if url and not url.startswith("http"):
+            url = f"http://{url}"
+        return url
+
+    def stop_service(self, cluster_name: str) -> bool:
+        """``sky.down`` of the service's cluster."""
+        sky = _sky()
+        from sky import exceptions
+
+        try:
+            sky.get(sky.down(cluster_name))
+        except (exceptions.ClusterDoesNotExist, ValueError):
+            return False
+        return True

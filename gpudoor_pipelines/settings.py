@@ -1,0 +1,52 @@
+"""Configuration, in one place: which backend, which bucket, which API server.
+
+Every setting comes from an environment variable, bound with ``dg.EnvVar`` so values are read when
+a run starts (and secrets never land in run config). With nothing set, everything runs on this
+machine: the local backend and a transit bucket in a local folder.
+
+| variable | meaning |
+|---|---|
+| ``GPUDOOR_BACKEND`` | ``local`` (default) or ``skypilot`` |
+| ``SKYPILOT_API_SERVER_ENDPOINT`` | the team's SkyPilot API server (``skypilot`` backend) |
+| ``SKYPILOT_SERVICE_ACCOUNT_TOKEN`` | a SkyPilot service-account token, if the server needs one |
+| ``GPUDOOR_COST_OWNER`` | cost owner label for every job (default: the fleet's default) |
+| ``GPUDOOR_HOME`` | state folder of the embedded default (default ``~/.gpudoor``) |
+| ``GPUDOOR_TRANSIT`` and ``GPUDOOR_S3_*`` | the transit bucket (see ``gpudoor_pipelines.transit.resource``) |
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import dagster as dg
+
+from gpudoor_pipelines.launch.resource import SkyPilotResource
+from gpudoor_pipelines.transit.io_manager import TransitIOManager
+from gpudoor_pipelines.transit.resource import bucket_from_env
+
+
+def _env(name: str) -> Any:
+    # Only variables that are set are bound: an EnvVar that is unset fails the run.
+    return dg.EnvVar(name) if os.environ.get(name) else None
+
+
+def build_resources() -> dict[str, Any]:
+    """The resources of the code location, bound to environment variables."""
+    transit = bucket_from_env()
+    skypilot_kwargs: dict[str, Any] = {"transit": transit}
+    for field, var in (
+        ("backend", "GPUDOOR_BACKEND"),
+        ("api_server_endpoint", "SKYPILOT_API_SERVER_ENDPOINT"),
+        ("service_account_token", "SKYPILOT_SERVICE_ACCOUNT_TOKEN"),
+        ("cost_owner", "GPUDOOR_COST_OWNER"),
+        ("local_home", "GPUDOOR_HOME"),
+    ):
+        value = _env(var)
+        if value is not None:
+            skypilot_kwargs[field] = value
+    return {
+        "transit": transit,
+        "skypilot": SkyPilotResource(**skypilot_kwargs),
+        "io_manager": TransitIOManager(transit=transit),
+    }

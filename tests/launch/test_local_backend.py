@@ -1,0 +1,159 @@
+"""The local backend: SkyPilot's environment contract, ranks, failures, and cancellation of the whole tree."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from gpudoor_pipelines.launch.backends.base import JobState, ResolvedJob
+from gpudoor_pipelines.launch.backends.local import LocalBackend
+from tests.conftest import PROJECT_ROOT
+
+
+def _job(run: str, *, setup: str | None = None, num_nodes: int = 1, envs=None, secrets=None, pool_env=None, name="t"):
+    config = {"name": name, "num_nodes": num_nodes, "resources": {"accelerators": "H200:8"}, "run": run, "envs": envs or {}}
+    if setup:
+        config["setup"] = setup
+    if secrets:
+        config["secrets"] = secrets
+    return ResolvedJob(name=name, config=config, workdir=str(PROJECT_ROOT), pool="h200", pool_env=pool_env or {})
+
+
+def _wait(backend: LocalBackend, job_id: str, timeout: float = 60) -> JobState:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        state = backend.status(job_id).state
+        if state.is_terminal:
+            return state
+        time.sleep(0.1)
+    raise AssertionError(f"job {job_id} still {state} after {timeout}s")
+
+
+@pytest.fixture
+def backend(tmp_path):
+    return LocalBackend(home=tmp_path / "home")
+
+
+def test_environment_contract(backend):
+    job = _job(
+        "echo TASK=$SKYPILOT_TASK_ID; echo NODES=$SKYPILOT_NUM_NODES; echo RANK=$SKYPILOT_NODE_RANK; "
+        "echo GPUS=$SKYPILOT_NUM_GPUS_PER_NODE; echo IPS=$(echo \"$SKYPILOT_NODE_IPS\" | wc -l); "
+        "echo INPUT=$INPUT_URI; echo CKPT=$CHECKPOINTS_DIR; test -d \"$CHECKPOINTS_DIR\" && echo CKPT_EXISTS; echo PWD=$(pwd)",
+        envs={"INPUT_URI": "file:///tmp/x"},
+        pool_env={"CHECKPOINTS_DIR": "/lustre/checkpoints"},
+    )
+    job_id = backend.submit(job)
+    assert _wait(backend, job_id) == JobState.SUCCEEDED
+    out = "\n".join(backend.log_tail(job_id, 50))
+    assert "TASK=sky-" in out and job_id in out
+    assert "NODES=1" in out and "RANK=0" in out and "GPUS=8" in out and "IPS=1" in out
+    assert "INPUT=file:///tmp/x" in out
+    # Cluster paths of the pool are mapped under the local home, never the real /lustre.
+    assert f"CKPT={backend.home}/pools/h200/lustre/checkpoints" in out and "CKPT_EXISTS" in out
+    assert f"PWD={PROJECT_ROOT}" in out
+
+
+def test_one_process_per_node_rank(backend):
+    job_id = backend.submit(_job("echo rank=$SKYPILOT_NODE_RANK of $SKYPILOT_NUM_NODES port=$MASTER_PORT", num_nodes=3))
+    assert _wait(backend, job_id) == JobState.SUCCEEDED
+    lines = backend.log_tail(job_id)
+    ranks = sorted(line.split("rank=")[1].split()[0] for line in lines if "rank=" in line)
+    assert ranks == ["0", "1", "2"]
+    ports = {line.split("port=")[1] for line in lines if "port=" in line}
+    assert len(ports) == 1 and ports.pop().isdigit()
+
+
+def test_setup_runs_before_run(backend):
+    job_id = backend.submit(_job("cat $GPUDOOR_HOME_MARK", setup="echo from-setup > $GPUDOOR_HOME_MARK", envs={"GPUDOOR_HOME_MARK": str(backend.home / "mark")}))
+    assert _wait(backend, job_id) == JobState.SUCCEEDED
+    assert "from-setup" in backend.log_tail(job_id)
+
+
+def test_failed_run_reports_exit_code_and_tail(backend):
+    job_id = backend.submit(_job("for i in 1 2 3; do echo line-$i; done; echo boom >&2; exit 7"))
+    assert _wait(backend, job_id) == JobState.FAILED
+    info = backend.status(job_id)
+    assert "7" in info.detail
+    assert backend.log_tail(job_id, 2) == ["line-3", "boom"]
+
+
+def test_failed_setup(backend):
+    job_id = backend.submit(_job("echo never", setup="echo setting-up; exit 3"))
+    assert _wait(backend, job_id) == JobState.FAILED_SETUP
+    assert "never" not in backend.log_tail(job_id)
+
+
+def test_secrets_reach_the_job_but_not_the_disk(backend):
+    job_id = backend.submit(_job("test \"$TOKEN\" = \"s3cr3t\"-value && echo has-token", secrets={"TOKEN": "s3cr3t-value"}))
+    assert _wait(backend, job_id) == JobState.SUCCEEDED
+    assert "has-token" in backend.log_tail(job_id)
+    for f in backend.job_dir(job_id).iterdir():
+        assert "s3cr3t-value" not in f.read_text(errors="replace"), f.name
+
+
+def _pids_alive(pids):
+    return [p for p in pids if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]]
+
+
+def test_cancel_kills_the_whole_process_tree(backend, tmp_path):
+    pidfile = tmp_path / "pids"
+    # Each rank starts a grandchild in the background, then waits.
+    run = f"sleep 300 & echo $! >> {pidfile}; echo $$ >> {pidfile}; echo started; wait"
+    job_id = backend.submit(_job(run, num_nodes=2))
+    deadline = time.time() + 30
+    while time.time() < deadline and (not pidfile.exists() or len(pidfile.read_text().split()) < 4):
+        time.sleep(0.1)
+    pids = [int(p) for p in pidfile.read_text().split()]
+    assert len(_pids_alive(pids)) == 4
+    backend.cancel(job_id)
+    assert backend.status(job_id).state == JobState.CANCELLED
+    deadline = time.time() + 10
+    while time.time() < deadline and _pids_alive(pids):
+        time.sleep(0.1)
+    assert _pids_alive(pids) == []
+
+
+def test_runner_that_dies_is_a_controller_failure(backend):
+    job_id = backend.submit(_job("sleep 300"))
+    deadline = time.time() + 20
+    while backend.status(job_id).state != JobState.RUNNING and time.time() < deadline:
+        time.sleep(0.1)
+    import json
+    import signal
+
+    runner = json.loads((backend.job_dir(job_id) / "runner.json").read_text())
+    os.killpg(runner["pgid"], signal.SIGKILL)
+    assert _wait(backend, job_id) == JobState.FAILED_CONTROLLER
+
+
+def test_gpus_in_use_counts_running_jobs(backend):
+    job_id = backend.submit(_job("sleep 300", num_nodes=2))
+    deadline = time.time() + 20
+    while backend.status(job_id).state not in (JobState.RUNNING,) and time.time() < deadline:
+        time.sleep(0.1)
+    assert backend.gpus_in_use() == {"h200": 16}
+    backend.cancel(job_id)
+    assert backend.gpus_in_use() == {}
+
+
+def test_service_gets_a_free_loopback_port_and_stops(backend):
+    job = ResolvedJob(
+        name="lab-x",
+        config={"name": "demo", "resources": {"accelerators": "L4:1", "ports": 8000}, "envs": {"PORT": "8000"},
+                "run": "exec python -m http.server --bind $SERVE_HOST $PORT"},
+        workdir=str(PROJECT_ROOT), pool="inference", cluster_name="lab-x",
+    )  # fmt: skip
+    job_id = backend.start_service(job)
+    deadline = time.time() + 30
+    url = None
+    while time.time() < deadline and not url:
+        url = backend.service_url(job, job_id, 8000)
+        time.sleep(0.2)
+    assert url and url.startswith("http://127.0.0.1:") and not url.endswith(":8000")
+    assert backend.clusters() == {"lab-x": job_id}
+    assert backend.stop_service("lab-x") is True
+    assert backend.status(job_id).state == JobState.CANCELLED
+    assert backend.clusters() == {}

@@ -1,0 +1,88 @@
+"""Task specs: the shipped ones load with SkyPilot's own parser; bad ones fail with file, field and fix."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from gpudoor_pipelines.launch.errors import LaunchConfigError
+from gpudoor_pipelines.launch.specs import load_spec, parse_accelerators, validate_with_skypilot
+from tests.conftest import SPECS_DIR
+
+SPECS = ["caption", "train", "eval", "smoke", "demo"]
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_shipped_specs_load_with_skypilot(name):
+    import sky
+
+    spec = load_spec(name)
+    task = sky.Task.from_yaml(spec.path)
+    assert task.name == spec.name
+    assert task.num_nodes == spec.num_nodes
+    validate_with_skypilot(spec.config, spec.path)
+
+
+def test_shipped_specs_hold_no_path_key_or_target():
+    for name in SPECS:
+        text = (SPECS_DIR / f"{name}.yaml").read_text()
+        for forbidden in ("s3://", "/mnt/", "/lustre", "infra:", "AWS_", "cluster", "file_mounts"):
+            assert forbidden not in text, f"{name}.yaml mentions {forbidden}"
+
+
+def test_training_is_multi_node():
+    assert load_spec("train").num_nodes > 1
+
+
+def _write(tmp_path, body: dict, name="bad.yaml"):
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(body))
+    return p
+
+
+BASE = {"name": "t", "resources": {"accelerators": "L4:1"}, "run": "echo hi"}
+
+
+@pytest.mark.parametrize(
+    "body, field, fix_word",
+    [
+        ({**BASE, "runn": "x"}, "runn", "did you mean 'run'"),
+        ({**BASE, "file_mounts": {"/data": "s3://b"}}, "file_mounts", "transit bucket"),
+        ({**BASE, "secrets": {"X": "y"}}, "secrets", "injected"),
+        ({**BASE, "resources": {"accelerators": "L4:1", "infra": "k8s"}}, "resources.infra", "pool"),
+        ({**BASE, "envs": {"DATA": "/mnt/data"}}, "envs.DATA", "fleet.yaml"),
+        ({**BASE, "envs": {"AWS_SECRET_ACCESS_KEY": "x"}}, "envs.AWS_SECRET_ACCESS_KEY", "secrets"),
+        ({"name": "t", "resources": {"accelerators": "L4:1"}}, "run", "add"),
+        ({**BASE, "resources": {}}, "resources.accelerators", "GPU"),
+        ({**BASE, "resources": {"accelerators": "L4:0"}}, "resources.accelerators.L4", "H100:1"),
+    ],
+)
+def test_bad_spec_names_file_field_and_fix(tmp_path, body, field, fix_word):
+    path = _write(tmp_path, body)
+    with pytest.raises(LaunchConfigError) as err:
+        load_spec(path)
+    assert err.value.field == field
+    assert str(path) in str(err.value)
+    assert fix_word in str(err.value)
+
+
+def test_skypilot_rejects_what_it_does_not_know(tmp_path):
+    path = _write(tmp_path, {**BASE, "resources": {"accelerators": "L4:1", "cpuz": 4}})
+    spec = load_spec(path)  # The project's own checks do not look inside resources.
+    with pytest.raises(LaunchConfigError) as err:
+        validate_with_skypilot(spec.config, spec.path)
+    assert str(path) in str(err.value)
+    assert "cpuz" in str(err.value)
+
+
+def test_missing_spec_file(tmp_path):
+    with pytest.raises(LaunchConfigError, match="does not exist"):
+        load_spec("nope", specs_dir=tmp_path)
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [("H100", {"H100": 1}), ("H200:8", {"H200": 8}), ({"L4": 1, "H100": 2}, {"L4": 1, "H100": 2}), (["L4:1", "A10G"], {"L4": 1, "A10G": 1})],
+)
+def test_parse_accelerators(value, expected):
+    assert parse_accelerators(value) == expected
