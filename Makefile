@@ -14,7 +14,8 @@ flow: $(STAMP)
 	$(VENV)/bin/gpudoor flow
 
 dev: $(STAMP)
-	$(VENV)/bin/dagster dev -h 127.0.0.1 -p 3000
+	DAGSTER_HOME=$${DAGSTER_HOME:-$$HOME/.gpudoor/dagster_home} $(VENV)/bin/gpudoor pools
+	DAGSTER_HOME=$${DAGSTER_HOME:-$$HOME/.gpudoor/dagster_home} $(VENV)/bin/dagster dev -h 127.0.0.1 -p 3000
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q

@@ -19,18 +19,14 @@ from gpudoor_pipelines.launch.errors import LaunchConfigError
 def _cmd_flow(args: argparse.Namespace) -> int:
     import dagster as dg
 
+    from gpudoor_pipelines.concurrency import sync_pool_limits
     from gpudoor_pipelines.definitions import defs
     from gpudoor_pipelines.flow import run_flow
-    from gpudoor_pipelines.launch.backends.local import default_home
 
-    home = Path(os.environ.get("DAGSTER_HOME") or default_home() / "dagster_home")
-    home.mkdir(parents=True, exist_ok=True)
-    os.environ["DAGSTER_HOME"] = str(home)
-    dagster_yaml = home / "dagster.yaml"
-    if not dagster_yaml.exists():
-        dagster_yaml.write_text("telemetry:\n  enabled: false\nnux:\n  enabled: false\n")
+    home = _dagster_home()
     run_config = {"dataset_shards": {"num_images": args.images}} if args.images else None
     with dg.DagsterInstance.get() as instance:
+        sync_pool_limits(instance)
         summary = run_flow(
             defs,
             instance,
@@ -43,6 +39,34 @@ def _cmd_flow(args: argparse.Namespace) -> int:
     print(f"demo            : {summary.demo_url}  (cluster {summary.demo_cluster})")
     print(f"runs recorded in: {home}  (open them with: dagster dev)")
     print(f"stop the demo   : gpudoor demo stop {summary.demo_cluster}")
+    return 0
+
+
+def _dagster_home() -> Path:
+    """``$DAGSTER_HOME``, or ``~/.gpudoor/dagster_home`` with the project's instance settings."""
+    import shutil
+
+    from gpudoor_pipelines.launch.backends.local import default_home
+    from gpudoor_pipelines.launch.fleet import PROJECT_ROOT
+
+    home = Path(os.environ.get("DAGSTER_HOME") or default_home() / "dagster_home")
+    home.mkdir(parents=True, exist_ok=True)
+    os.environ["DAGSTER_HOME"] = str(home)
+    if not (home / "dagster.yaml").exists():
+        shutil.copy(PROJECT_ROOT / "dagster.yaml", home / "dagster.yaml")
+    return home
+
+
+def _cmd_pools(args: argparse.Namespace) -> int:
+    import dagster as dg
+
+    from gpudoor_pipelines.concurrency import sync_pool_limits
+
+    home = _dagster_home()
+    with dg.DagsterInstance.get() as instance:
+        for name, limit in sorted(sync_pool_limits(instance).items()):
+            print(f"{name}: {limit} concurrent step(s)")
+    print(f"DAGSTER_HOME={home}")
     return 0
 
 
@@ -99,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cost-owner", help="cost owner label")
     p.add_argument("--json", action="store_true", help="machine-readable output (for agents)")
     p.set_defaults(func=_cmd_where)
+    p = sub.add_parser("pools", help="set Dagster's concurrency pools from the fleet's GPU caps")
+    p.set_defaults(func=_cmd_pools)
     p = sub.add_parser("check", help="check every task spec and the fleet file")
     p.add_argument("--specs-dir", default=None)
     p.set_defaults(func=_cmd_check)

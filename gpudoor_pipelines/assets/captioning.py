@@ -11,6 +11,7 @@ from pydantic import Field
 
 from gpudoor_pipelines.assets.common import require_published
 from gpudoor_pipelines.assets.partitions import NUM_SHARDS, SHARD_KEYS, shard_partitions
+from gpudoor_pipelines.concurrency import STEP_POOLS
 from gpudoor_pipelines.launch.resource import LaunchConfig, SkyPilotResource
 from gpudoor_pipelines.transit.io_manager import TransitRef
 from gpudoor_pipelines.transit.resource import TransitBucketResource
@@ -73,7 +74,7 @@ class CaptionConfig(LaunchConfig):
     group_name="captioning",
     partitions_def=shard_partitions,
     kinds={"skypilot"},
-    pool="gpudoor-caption",
+    pool=STEP_POOLS["caption"],
 )
 def caption_shards(
     context: dg.AssetExecutionContext,

@@ -3,6 +3,7 @@
 import dagster as dg
 from pydantic import Field, field_validator
 
+from gpudoor_pipelines.concurrency import STEP_POOLS
 from gpudoor_pipelines.launch.resource import LaunchConfig, SkyPilotResource
 from gpudoor_pipelines.transit.io_manager import TransitRef
 
@@ -24,7 +25,7 @@ class DemoConfig(LaunchConfig):
         return value
 
 
-@dg.asset(group_name="demo", kinds={"skypilot"}, pool="gpudoor-demo")
+@dg.asset(group_name="demo", kinds={"skypilot"}, pool=STEP_POOLS["demo"])
 def demo(
     context: dg.AssetExecutionContext,
     config: DemoConfig,

@@ -8,6 +8,7 @@ import pandas as pd
 from gpudoor_pipelines.assets.common import require_object
 from gpudoor_pipelines.assets.partitions import checkpoint_partitions, checkpoint_prefix
 from gpudoor_pipelines.assets.training import run_info_key, training_run
+from gpudoor_pipelines.concurrency import STEP_POOLS
 from gpudoor_pipelines.launch.resource import LaunchConfig, SkyPilotResource
 from gpudoor_pipelines.transit.io_manager import TransitRef
 from gpudoor_pipelines.transit.resource import TransitBucketResource
@@ -29,7 +30,7 @@ def _chance(metrics: dict) -> float:
     partitions_def=checkpoint_partitions,
     deps=[training_run],
     kinds={"skypilot", "pytorch"},
-    pool="gpudoor-eval",
+    pool=STEP_POOLS["eval"],
     check_specs=[
         dg.AssetCheckSpec(
             ACCURACY_CHECK, asset="checkpoint_evals", description="Held-out accuracy beats chance."

@@ -12,6 +12,7 @@ from gpudoor_pipelines.assets.partitions import (
     checkpoint_from_manifest_key,
     checkpoint_partitions,
 )
+from gpudoor_pipelines.concurrency import STEP_POOLS
 from gpudoor_pipelines.launch.resource import LaunchConfig, SkyPilotResource
 from gpudoor_pipelines.transit.io_manager import TransitRef
 from gpudoor_pipelines.transit.resource import TransitBucketResource
@@ -52,7 +53,7 @@ def _training_id(context: dg.AssetExecutionContext, config: TrainConfig) -> str:
     return new_id
 
 
-@dg.asset(group_name="training", kinds={"skypilot", "pytorch"}, pool="gpudoor-train")
+@dg.asset(group_name="training", kinds={"skypilot", "pytorch"}, pool=STEP_POOLS["train"])
 def training_run(
     context: dg.AssetExecutionContext,
     config: TrainConfig,

@@ -98,8 +98,10 @@ class Fleet:
 
     def pool_for_infra(self, infra: str) -> Pool | None:
         """The pool whose infra string is ``infra`` or a prefix of it (``slurm/onprem/part``)."""
+        wanted = normalize_infra(infra)
         for pool in self.pools.values():
-            if infra == pool.infra or infra.startswith(pool.infra + "/"):
+            mine = normalize_infra(pool.infra)
+            if wanted == mine or wanted.startswith(mine + "/"):
                 return pool
         return None
 
@@ -107,6 +109,16 @@ class Fleet:
     def all_gpus(self) -> set[str]:
         """Every GPU type any pool offers."""
         return {g for p in self.pools.values() for g in p.gpus}
+
+
+_CLOUD_ALIASES = {"kubernetes": "k8s"}
+
+
+def normalize_infra(infra: str) -> str:
+    """Canonical form of an infra string: SkyPilot writes ``k8s/ctx`` back as ``kubernetes/ctx``."""
+    head, sep, rest = infra.strip().strip("/").partition("/")
+    head = _CLOUD_ALIASES.get(head.lower(), head.lower())
+    return head + sep + rest
 
 
 def _did_you_mean(name: str, choices: Any) -> str:

@@ -216,6 +216,7 @@ class SkyPilotResource(dg.ConfigurableResource):
             asset=asset,
             partition=partition,
             interactive=interactive,
+            step=step or spec.kind,
         )
         bucket = self.transit.get_bucket()
         env = dict(extra_env or {})

@@ -37,10 +37,9 @@ class Route:
 
 
 def _pick_gpu(spec: TaskSpec, pool: Pool) -> tuple[str, int] | None:
-    for gpu, count in spec.accelerators.items():
-        if pool.offers(gpu):
-            return gpu, count
-    return None
+    # The pool lists its GPUs in order of preference; the spec's candidates are a set.
+    wanted = {g.lower(): (g, n) for g, n in spec.accelerators.items()}
+    return next((wanted[g.lower()] for g in pool.gpus if g.lower() in wanted), None)
 
 
 def route(

@@ -25,6 +25,7 @@ LABEL_ASSET = "dagster-asset"
 LABEL_PARTITION = "dagster-partition"
 LABEL_USER = "gpudoor-user"
 LABEL_INTERACTIVE = "gpudoor-interactive"
+LABEL_STEP = "gpudoor-step"
 POOL_ENV = "GPUDOOR_POOL"
 _LABEL_VALUE = re.compile(r"[^A-Za-z0-9_.-]+")
 
@@ -45,6 +46,7 @@ class LaunchContext:
         run_id: the Dagster run id, when launched from Dagster.
         asset: the asset being materialized.
         partition: its partition key.
+        step: the step kind (``caption``, ``train``, ...), so a server-side policy can route.
         interactive: a cluster that stays up (demo, dev session): autostop applies.
     """
 
@@ -54,6 +56,7 @@ class LaunchContext:
     asset: str | None = None
     partition: str | None = None
     interactive: bool = False
+    step: str | None = None
 
     def labels(self) -> dict[str, str]:
         """Labels for the job, as Kubernetes-valid values."""
@@ -66,6 +69,8 @@ class LaunchContext:
             out[LABEL_PARTITION] = self.partition
         if self.interactive:
             out[LABEL_INTERACTIVE] = "true"
+        if self.step:
+            out[LABEL_STEP] = self.step
         return {k: label_value(v) for k, v in out.items()}
 
 
@@ -90,8 +95,12 @@ class RuleDecision:
 
 
 def _priority_class_of(config: Mapping[str, Any]) -> str | None:
-    pod = (((config.get("config") or {}).get("kubernetes") or {}).get("pod_config") or {}).get("spec") or {}
-    return pod.get("priorityClassName")
+    # A task file writes it under `config:`; SkyPilot serializes it under resources.
+    for overrides in (config.get("config"), (config.get("resources") or {}).get("_cluster_config_overrides")):
+        pod = (((overrides or {}).get("kubernetes") or {}).get("pod_config") or {}).get("spec") or {}
+        if pod.get("priorityClassName"):
+            return pod["priorityClassName"]
+    return None
 
 
 def apply_fleet_rules(
@@ -148,7 +157,9 @@ def apply_fleet_rules(
 
     resources: dict[str, Any] = dict(out.get("resources") or {})
     candidates = parse_accelerators(accelerators or resources.get("accelerators"), source)
-    chosen = next(((g, n) for g, n in candidates.items() if pool.offers(g)), None)
+    # The pool's own order decides between candidates: SkyPilot keeps them as an unordered set.
+    by_name = {g.lower(): (g, n) for g, n in candidates.items()}
+    chosen = next((by_name[g.lower()] for g in pool.gpus if g.lower() in by_name), None)
     if chosen is None:
         raise PolicyRejection(
             source,
@@ -172,6 +183,13 @@ def apply_fleet_rules(
             "resources.accelerators",
             f"{total} GPUs is over pool '{pool.name}' cap of {pool.gpu_cap}",
             f"ask for at most {pool.gpu_cap} GPUs",
+        )
+    if total > pool.max_gpus_per_user:
+        raise PolicyRejection(
+            source,
+            "resources.accelerators",
+            f"{total} GPUs is over pool '{pool.name}' per-user cap of {pool.max_gpus_per_user}",
+            f"ask for at most {pool.max_gpus_per_user} GPUs",
         )
     if usage is not None:
         held = usage.by_pool.get(pool.name, 0)
@@ -201,7 +219,11 @@ def apply_fleet_rules(
                 f"'{asked}' on production pool '{pool.name}'",
                 f"remove it; research jobs on this pool run at priority class '{pool.priority_class}'",
             )
-        cfg = out.setdefault("config", {})
+        # Write where the task already keeps its overrides (a re-applied task has them under resources).
+        if "_cluster_config_overrides" in resources:
+            cfg = resources["_cluster_config_overrides"] = dict(resources["_cluster_config_overrides"] or {})
+        else:
+            cfg = out.setdefault("config", {})
         pod_spec = cfg.setdefault("kubernetes", {}).setdefault("pod_config", {}).setdefault("spec", {})
         pod_spec["priorityClassName"] = pool.priority_class
         notes.append(f"priority class '{pool.priority_class}' (production pool)")

@@ -1,0 +1,145 @@
+"""The admin policy, applied through SkyPilot's own machinery to the real task specs.
+
+Every rule has an accepting and a rejecting case; the mutated task still validates with SkyPilot.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from tests.conftest import SPECS_DIR
+
+POLICY = "gpudoor_pipelines.launch.policy.GpuDoorPolicy"
+
+
+@pytest.fixture(scope="module")
+def sky():
+    import sky
+
+    return sky
+
+
+def _apply(sky, config: dict, request="jobs.launch", cluster_name=None):
+    """Applies the configured admin policy exactly as SkyPilot's client does."""
+    from sky import admin_policy, skypilot_config
+    from sky.server.requests.request_names import AdminPolicyRequestName
+    from sky.utils import admin_policy_utils
+
+    task = sky.Task.from_yaml_config(copy.deepcopy(config))
+    options = None
+    if cluster_name:
+        options = admin_policy.RequestOptions(cluster_name=cluster_name, idle_minutes_to_autostop=None, down=False, dryrun=False)
+    with skypilot_config.override_skypilot_config({"admin_policy": POLICY}):
+        dag, _ = admin_policy_utils.apply(task, AdminPolicyRequestName(request), options, at_client_side=True)
+    return dag.tasks[0]
+
+
+def _spec(name: str, **resources) -> dict:
+    config = yaml.safe_load((SPECS_DIR / f"{name}.yaml").read_text())
+    config["resources"] = {**config["resources"], **resources}
+    return config
+
+
+OWNER = {"gpudoor-cost-owner": "ml-research"}
+
+
+def _resources(task):
+    (r,) = task.resources
+    return r
+
+
+def test_accepts_and_injects_pool_env_labels_and_priority_on_production(sky):
+    task = _apply(sky, _spec("eval", infra="k8s/inference-prod", labels=OWNER))
+    r = _resources(task)
+    assert task.envs["CHECKPOINTS_DIR"] == "/scratch/checkpoints" and task.envs["GPUDOOR_POOL"] == "inference"
+    assert r.labels["gpudoor-cost-owner"] == "ml-research" and r.labels["gpudoor-pool"] == "inference"
+    assert r.accelerators == {"L4": 1}
+    assert r.cluster_config_overrides["kubernetes"]["pod_config"]["spec"]["priorityClassName"] == "research-preemptible"
+    # Still a valid SkyPilot task, and applying the policy twice (client then server) changes nothing.
+    again = _apply(sky, task.to_yaml_config())
+    assert again.envs == task.envs and _resources(again).labels == r.labels
+
+
+def test_routes_when_no_infra_is_given(sky):
+    task = _apply(sky, _spec("train", labels={**OWNER, "gpudoor-step": "train"}))
+    assert str(_resources(task).infra.to_str()).startswith("slurm/h200-ib")
+    assert task.envs["CHECKPOINTS_DIR"] == "/lustre/checkpoints"
+
+
+def test_slurm_pool_gets_no_kubernetes_priority(sky):
+    task = _apply(sky, _spec("caption", infra="slurm/onprem", labels=OWNER))
+    assert not (_resources(task).cluster_config_overrides or {}).get("kubernetes")
+
+
+def test_transit_credentials_become_secrets_not_envs(sky, monkeypatch):
+    monkeypatch.setenv("GPUDOOR_POLICY_AWS_ACCESS_KEY_ID", "AKIA-test-id")
+    monkeypatch.setenv("GPUDOOR_POLICY_AWS_SECRET_ACCESS_KEY", "very-secret-value")
+    monkeypatch.setenv("GPUDOOR_POLICY_AWS_ENDPOINT_URL", "http://127.0.0.1:9000")
+    task = _apply(sky, _spec("caption", infra="slurm/onprem", labels=OWNER))
+    assert "AWS_SECRET_ACCESS_KEY" not in task.envs
+    assert task.secrets["AWS_SECRET_ACCESS_KEY"].get_secret_value() == "very-secret-value"
+    assert task.envs["AWS_ENDPOINT_URL"] == "http://127.0.0.1:9000"
+    assert "very-secret-value" not in yaml.safe_dump(task.to_yaml_config(use_user_specified_yaml=True))
+
+
+def test_autostop_for_lab_clusters_only(sky):
+    demo = _apply(sky, _spec("demo", infra="k8s/inference-prod", labels=OWNER), request="launch", cluster_name="lab-demo")
+    assert _resources(demo).autostop_config is not None and _resources(demo).autostop_config.enabled
+    job = _apply(sky, _spec("eval", infra="k8s/inference-prod", labels=OWNER))
+    assert _resources(job).autostop_config is None or not _resources(job).autostop_config.enabled
+
+
+def _rejected(sky, config, match, **kw):
+    with pytest.raises(sky.exceptions.UserRequestRejectedByPolicy, match=match) as err:
+        _apply(sky, config, **kw)
+    assert "Fix:" in str(err.value)
+    return err
+
+
+def test_rejects_missing_cost_owner(sky):
+    _rejected(sky, _spec("eval", infra="k8s/inference-prod"), "no cost owner")
+
+
+def test_rejects_unknown_cost_owner(sky):
+    _rejected(sky, _spec("eval", infra="k8s/inference-prod", labels={"gpudoor-cost-owner": "marketing"}), "unknown cost owner 'marketing'")
+
+
+def test_rejects_gpu_the_pool_does_not_have(sky):
+    _rejected(sky, _spec("train", infra="k8s/inference-prod", labels=OWNER), "has no H200")
+
+
+def test_rejects_request_over_the_pool_cap(sky):
+    config = _spec("train", infra="slurm/h200-ib", labels=OWNER)
+    config["num_nodes"] = 17  # 17 x 8 H200 > 128
+    _rejected(sky, config, "over pool 'h200' cap of 128")
+
+
+def test_accepts_request_at_the_cap_boundary(sky):
+    config = _spec("train", infra="slurm/h200-ib", labels=OWNER)
+    config["num_nodes"] = 8  # 64 GPUs: the per-user cap exactly
+    assert _apply(sky, config).num_nodes == 8
+
+
+def test_rejects_request_over_the_per_user_cap(sky):
+    config = _spec("train", infra="slurm/h200-ib", labels=OWNER)
+    config["num_nodes"] = 9  # 72 > 64 per user
+    _rejected(sky, config, "per-user cap of 64")
+
+
+def test_rejects_production_pool_without_the_low_priority(sky):
+    config = _spec("eval", infra="k8s/inference-prod", labels=OWNER)
+    config["config"] = {"kubernetes": {"pod_config": {"spec": {"priorityClassName": "production-high"}}}}
+    _rejected(sky, config, "production-high")
+
+
+def test_rejects_infra_outside_the_fleet(sky):
+    _rejected(sky, _spec("eval", infra="k8s/somebody-elses", labels=OWNER), "not a pool of the fleet")
+
+
+def test_controller_requests_pass_through(sky):
+    config = {"name": "ctrl", "resources": {"cpus": 2}, "run": "true"}
+    task = _apply(sky, config, request="jobs.launch_controller")
+    assert "GPUDOOR_POOL" not in task.envs
