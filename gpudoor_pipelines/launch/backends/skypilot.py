@@ -106,19 +106,37 @@ class SkyPilotBackend(Backend):
             os.environ["SKYPILOT_SERVICE_ACCOUNT_TOKEN"] = token
 
     def check(self) -> None:
-        """Fails fast, before anything is submitted, when the API server does not answer."""
-        sky_env.prepare()
-        from sky import exceptions
-        from sky.server import common
+        """Fails fast, before anything is submitted, when the API server does not answer.
 
+        One plain request to ``/api/health`` with a short timeout: SkyPilot's own client retries
+        for tens of seconds before giving up.
+        """
+        import urllib.error
+        import urllib.request
+
+        request = urllib.request.Request(f"{self.endpoint}/api/health")
+        token = os.environ.get("SKYPILOT_SERVICE_ACCOUNT_TOKEN")
+        if token:
+            request.add_header("Authorization", f"Bearer {token}")
         try:
-            common.check_server_healthy(self.endpoint)
-        except (exceptions.ApiServerConnectionError, exceptions.ApiServerAuthenticationError) as e:
+            with urllib.request.urlopen(request, timeout=5) as response:
+                response.read()
+        except urllib.error.HTTPError as e:
+            if e.code in (401, 403):
+                raise LaunchConfigError(
+                    "resource skypilot", "service_account_token", f"the API server at {self.endpoint} refused the credentials ({e.code})",
+                    "set SKYPILOT_SERVICE_ACCOUNT_TOKEN to a valid service-account token",
+                ) from None  # fmt: skip
+            raise LaunchConfigError(
+                "resource skypilot", "api_server_endpoint", f"{self.endpoint}/api/health answered {e.code}",
+                "check that SKYPILOT_API_SERVER_ENDPOINT points at a SkyPilot API server",
+            ) from None  # fmt: skip
+        except (urllib.error.URLError, OSError) as e:
             raise LaunchConfigError(
                 "resource skypilot",
                 "api_server_endpoint",
-                f"no SkyPilot API server answers at {self.endpoint} ({type(e).__name__})",
-                "start the API server or correct SKYPILOT_API_SERVER_ENDPOINT / SKYPILOT_SERVICE_ACCOUNT_TOKEN",
+                f"no SkyPilot API server answers at {self.endpoint} ({getattr(e, 'reason', e)})",
+                "start the API server or correct SKYPILOT_API_SERVER_ENDPOINT",
             ) from None
 
     def build_task(self, job: ResolvedJob):
