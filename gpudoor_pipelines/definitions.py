@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import dagster as dg
 
-from gpudoor_pipelines.assets import captioning, demo, evaluation, training
+from gpudoor_pipelines.assets import captioning, demo, evaluation, training, usage
 from gpudoor_pipelines.automation.jobs import captioning_job, eval_job, merge_captions_job
 from gpudoor_pipelines.automation.schedules import morning_merge_schedule, nightly_captioning_schedule
 from gpudoor_pipelines.automation.sensors import new_checkpoint_sensor
 from gpudoor_pipelines.settings import build_resources
 
 defs = dg.Definitions(
-    assets=dg.load_assets_from_modules([captioning, training, evaluation, demo]),
+    assets=dg.load_assets_from_modules([captioning, training, evaluation, demo, usage]),
     asset_checks=dg.load_asset_checks_from_modules([captioning, training, evaluation, demo]),
     jobs=[captioning_job, merge_captions_job, eval_job, demo.stop_demo_job],
     schedules=[nightly_captioning_schedule, morning_merge_schedule],

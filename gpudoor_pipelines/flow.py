@@ -90,6 +90,7 @@ def run_flow(
         materialize("checkpoint_evals", ckpt)
     materialize("best_checkpoint")
     materialize("demo")
+    materialize("gpu_usage")
     best = _latest_md(instance, "best_checkpoint")
     demo = _latest_md(instance, "demo")
     return FlowSummary(

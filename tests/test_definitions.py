@@ -15,6 +15,7 @@ def test_definitions_snapshot():
         "checkpoint_evals",
         "dataset_shards",
         "demo",
+        "gpu_usage",
         "training_run",
     ]
     repo = defs.get_repository_def()

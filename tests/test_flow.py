@@ -69,6 +69,9 @@ def _check_flow(instance, summary, bucket, skypilot):
         assert best["checkpoint"] == summary.best_checkpoint and best["accuracy"] == pytest.approx(summary.accuracy)
         assert summary.accuracy > 1 / 18, "the trained model beats chance on held-out images"
 
+        usage = _md(instance, "gpu_usage")
+        assert usage["launches"] >= 4 + 1 + len(summary.checkpoints) and usage["gpu_hours"] > 0
+
         # The demo answers with a sample from the best checkpoint.
         assert summary.demo_cluster.startswith("lab-")
         with urllib.request.urlopen(summary.demo_url + "/?color=red&shape=circle", timeout=10) as r:
