@@ -10,11 +10,19 @@ from gpudoor_pipelines.automation.schedules import morning_merge_schedule, night
 from gpudoor_pipelines.automation.sensors import new_checkpoint_sensor
 from gpudoor_pipelines.settings import build_resources
 
-defs = dg.Definitions(
-    assets=dg.load_assets_from_modules([captioning, training, evaluation, demo, usage]),
-    asset_checks=dg.load_asset_checks_from_modules([captioning, training, evaluation, demo]),
-    jobs=[captioning_job, merge_captions_job, eval_job, demo.stop_demo_job],
-    schedules=[nightly_captioning_schedule, morning_merge_schedule],
-    sensors=[new_checkpoint_sensor],
-    resources=build_resources(),
-)
+ASSET_MODULES = [captioning, training, evaluation, demo, usage]
+
+
+def build_defs() -> dg.Definitions:
+    """The definitions, with resources bound to the environment variables that are set now."""
+    return dg.Definitions(
+        assets=dg.load_assets_from_modules(ASSET_MODULES),
+        asset_checks=dg.load_asset_checks_from_modules(ASSET_MODULES),
+        jobs=[captioning_job, merge_captions_job, eval_job, demo.stop_demo_job],
+        schedules=[nightly_captioning_schedule, morning_merge_schedule],
+        sensors=[new_checkpoint_sensor],
+        resources=build_resources(),
+    )
+
+
+defs = build_defs()

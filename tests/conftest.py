@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import boto3
 import pytest
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -23,3 +28,63 @@ def _isolated_homes(tmp_path_factory, monkeypatch):
     for var in ("GPUDOOR_BACKEND", "GPUDOOR_TRANSIT", "SKYPILOT_API_SERVER_ENDPOINT"):
         monkeypatch.delenv(var, raising=False)
     yield home
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[str]:
+    """Endpoint URL (http://127.0.0.1:PORT) of an S3-compatible server.
+
+    ``GPUDOOR_TEST_S3_ENDPOINT`` if set; otherwise a ``moto.server.ThreadedMotoServer`` on a free
+    127.0.0.1 port, run in a child process (``s3_test_server.py``) so that server and client do not
+    share one GIL, and stopped at the end of the session.
+    """
+    endpoint = os.environ.get("GPUDOOR_TEST_S3_ENDPOINT")
+    if endpoint:
+        yield endpoint.rstrip("/")
+        return
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(__file__).parent / "transit" / "s3_test_server.py"),
+            "-H",
+            "127.0.0.1",
+            "-p",
+            "0",
+            "--exit-on-stdin-eof",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline().strip()
+        if not line.isdigit():
+            raise RuntimeError(f"the moto S3 test server did not start (printed {line!r})")
+        endpoint = f"http://127.0.0.1:{int(line)}"
+        _wait_until_up(endpoint)
+        yield endpoint
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_until_up(endpoint: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            boto3.client(
+                "s3",
+                endpoint_url=endpoint,
+                region_name="us-east-1",
+                aws_access_key_id="test",
+                aws_secret_access_key="test",
+            ).list_buckets()
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)

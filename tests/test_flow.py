@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import urllib.request
+import uuid
 
 import dagster as dg
 import pytest
@@ -30,12 +31,51 @@ def _md(instance, key, partition=None):
     return {k: v.value for k, v in event.metadata.items()}
 
 
-def test_whole_flow_on_the_embedded_default(instance, _isolated_homes):
-    from gpudoor_pipelines.definitions import defs
+def _run_and_check(instance):
+    from gpudoor_pipelines.definitions import build_defs
 
-    summary = run_flow(defs, instance, run_config={"dataset_shards": {"num_images": 64}})
+    defs = build_defs()
+    # A shorter training than the default (2 checkpoints) keeps the suite quick on 2 cores.
+    run_config = {"dataset_shards": {"num_images": 64}, "training_run": {"env": {"MAX_STEPS": "30", "CHECKPOINT_EVERY": "15"}}}
+    summary = run_flow(defs, instance, run_config=run_config)
     with dg.build_resources({"transit": defs.resources["transit"], "skypilot": defs.resources["skypilot"]}) as res:
-        _check_flow(instance, summary, res.transit.get_bucket(), res.skypilot)
+        bucket = res.transit.get_bucket()
+        _check_flow(instance, summary, bucket, res.skypilot)
+    return summary, bucket
+
+
+def test_whole_flow_on_the_embedded_default(instance):
+    _, bucket = _run_and_check(instance)
+    assert bucket.root_uri.startswith("file://")
+
+
+@pytest.mark.s3
+def test_whole_flow_through_the_s3_transit_bucket(instance, s3_server, monkeypatch):
+    """The same flow with the transit bucket on S3 (a real S3 API over HTTP on 127.0.0.1)."""
+    import boto3
+
+    name = f"flow-{uuid.uuid4().hex[:8]}"
+    secret = f"flow-secret-{uuid.uuid4().hex}"
+    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1", aws_access_key_id="flow-key-id",
+                 aws_secret_access_key=secret).create_bucket(Bucket=name)  # fmt: skip
+    for var, value in {
+        "GPUDOOR_TRANSIT": "s3",
+        "GPUDOOR_S3_BUCKET": name,
+        "GPUDOOR_S3_PREFIX": "transit",
+        "GPUDOOR_S3_ENDPOINT_URL": s3_server,
+        "GPUDOOR_S3_ACCESS_KEY_ID": "flow-key-id",
+        "GPUDOOR_S3_SECRET_ACCESS_KEY": secret,
+    }.items():
+        monkeypatch.setenv(var, value)
+    summary, bucket = _run_and_check(instance)
+    assert bucket.root_uri == f"s3://{name}/transit"
+    # Jobs read and wrote the bucket themselves: the checkpoints are S3 objects.
+    assert any(k.endswith("/model.pt") for k in bucket.list_keys("checkpoints/"))
+    # The secret never reached the run logs or the metadata.
+    for run_id in summary.run_ids:
+        for entry in instance.all_logs(run_id):
+            assert secret not in (entry.user_message or "")
+            assert secret not in str(entry.dagster_event.event_specific_data if entry.dagster_event else "")
 
 
 def _check_flow(instance, summary, bucket, skypilot):

@@ -89,7 +89,7 @@ def training_run(
         )
         smoke_md = {
             f"smoke_{k}": smoke.metadata[k]
-            for k in ("job_id", "pool", "running_s", "status")
+            for k in ("job_id", "pool", "running_s", "status", "gpu_hours", "cost_usd_estimate")
             if k in smoke.metadata
         }
     result = skypilot.launch(

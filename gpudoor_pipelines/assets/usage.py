@@ -9,6 +9,11 @@ from pydantic import Field
 LAUNCHING_ASSETS = ("caption_shards", "training_run", "checkpoint_evals")
 
 
+def _num(metadata, key: str) -> float:
+    value = metadata.get(key)
+    return float(value.value) if value is not None else 0.0
+
+
 class UsageConfig(dg.Config):
     """Which window to sum over."""
 
@@ -32,8 +37,9 @@ def gpu_usage(context: dg.AssetExecutionContext, config: UsageConfig) -> pd.Data
                 {
                     "asset": key,
                     "pool": md["pool"].value,
-                    "gpu_hours": float(md["gpu_hours"].value),
-                    "cost_usd_estimate": float(md.get("cost_usd_estimate", dg.MetadataValue.float(0.0)).value),
+                    # A training's smoke test runs on the same pool and counts towards it.
+                    "gpu_hours": _num(md, "gpu_hours") + _num(md, "smoke_gpu_hours"),
+                    "cost_usd_estimate": _num(md, "cost_usd_estimate") + _num(md, "smoke_cost_usd_estimate"),
                 }
             )
     df = pd.DataFrame(rows, columns=["asset", "pool", "gpu_hours", "cost_usd_estimate"])

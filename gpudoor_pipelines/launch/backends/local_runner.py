@@ -98,8 +98,10 @@ def main(job_dir_arg: str) -> int:
         }
     )
     if num_nodes > 1:
-        # Ranks share one host here, so they need a port nobody else is using.
+        # Ranks share one host here, so they need a port nobody else is using, and a share of its
+        # cores each: n ranks with a full thread pool apiece run slower than one.
         base.setdefault("MASTER_PORT", str(free_port()))
+        base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // num_nodes)))
 
     def rank_env(rank: int, phase: str) -> dict[str, str]:
         env = dict(base)

@@ -1,0 +1,106 @@
+"""Reporting results to Dagster through Pipes, or to nobody when run by hand.
+
+``open_reporting()`` yields an object with the three Pipes calls the workloads use
+(``report_asset_materialization``, ``report_asset_check``, ``log.info``). Under Dagster Pipes it is the
+real ``PipesContext``, talking over S3 when the orchestrator passed a bucket and over local files
+otherwise; outside Pipes, and on every rank but 0 of a multi-node job, it is a no-op stand-in so the
+programs never need to ask.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+from dagster_pipes import (
+    PipesContextLoader,
+    PipesDefaultContextLoader,
+    PipesDefaultMessageWriter,
+    PipesEnvVarParamsLoader,
+    PipesMessageWriter,
+    PipesS3ContextLoader,
+    PipesS3MessageWriter,
+    open_dagster_pipes,
+)
+
+from workloads.config import node_rank
+
+
+class Reporter(Protocol):
+    """The part of ``dagster_pipes.PipesContext`` the workloads use."""
+
+    @property
+    def log(self) -> logging.Logger: ...
+
+    def report_asset_materialization(self, metadata: Mapping[str, Any] | None = None) -> None: ...
+
+    def report_asset_check(
+        self,
+        check_name: str,
+        passed: bool,
+        severity: str = "ERROR",
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None: ...
+
+
+class NoOpReporter:
+    """Accepts every report and drops it: used outside Pipes and on ranks other than 0."""
+
+    def __init__(self) -> None:
+        self._log = logging.getLogger("workloads.reporting.noop")
+        self._log.addHandler(logging.NullHandler())
+        self._log.propagate = False
+
+    @property
+    def log(self) -> logging.Logger:
+        return self._log
+
+    def report_asset_materialization(self, metadata: Mapping[str, Any] | None = None) -> None:
+        """Drop a materialization report."""
+
+    def report_asset_check(
+        self,
+        check_name: str,
+        passed: bool,
+        severity: str = "ERROR",
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Drop an asset check report."""
+
+
+def _s3_client() -> Any:
+    import boto3  # only needed when Pipes goes through S3
+
+    return boto3.client("s3")
+
+
+@contextmanager
+def open_reporting() -> Iterator[Reporter]:
+    """Open Dagster Pipes when this process was launched by it (and is rank 0), else a no-op.
+
+    Yields:
+        The Pipes context, or a :class:`NoOpReporter`.
+    """
+    params = PipesEnvVarParamsLoader()
+    # Only one process may speak for the job: rank 0 owns the Pipes channel in multi-node runs.
+    if node_rank() != 0 or not params.is_dagster_pipes_process():
+        yield NoOpReporter()
+        return
+    # A "bucket" key means the orchestrator exchanges context and messages through S3 (a remote
+    # node shares no filesystem with it); otherwise the params carry local file paths.
+    context_loader: PipesContextLoader = (
+        PipesS3ContextLoader(client=_s3_client())
+        if "bucket" in params.load_context_params()
+        else PipesDefaultContextLoader()
+    )
+    message_writer: PipesMessageWriter = (
+        PipesS3MessageWriter(client=_s3_client())
+        if "bucket" in params.load_messages_params()
+        else PipesDefaultMessageWriter()
+    )
+    with open_dagster_pipes(
+        context_loader=context_loader, message_writer=message_writer, params_loader=params
+    ) as pipes:
+        yield pipes

@@ -1,0 +1,115 @@
+"""Train the colour/shape model, on one node or many: ``python -m workloads.train``.
+
+Environment:
+    DATASET_URI: Parquet with ``image_id``, ``image_uri`` and ``caption`` columns; trains on the
+        images that are not held out (see ``synthetic.is_heldout``).
+    OUTPUT_URI: checkpoints prefix; each checkpoint is ``step-XXXXXX/model.pt`` plus
+        ``step-XXXXXX/_manifest.json`` (written last) = {"step", "loss", "train_accuracy", "created_at"}
+        (loss and accuracy averaged over the steps since the previous checkpoint, on rank 0).
+    CHECKPOINTS_DIR: local scratch folder checkpoints are saved to before upload (created;
+        default ``<tmp>/gpudoor-checkpoints``).
+    MAX_STEPS (default 60), CHECKPOINT_EVERY (default 20), BATCH_SIZE (default 32, per node),
+    LEARNING_RATE (default 0.01, Adam).
+    SMOKE_TEST: "1" for a validation run: starts fresh (ignores existing checkpoints), checks that
+        the data loads, the first forward/backward is finite and the last checkpoint reads back
+        identical from OUTPUT_URI, then prints ``smoke test passed``. Checkpoints are written as usual.
+    SKYPILOT_NODE_RANK (default 0), SKYPILOT_NUM_NODES (default 1), SKYPILOT_NODE_IPS (newline
+        separated; the first is the master; required when there are several nodes),
+        SKYPILOT_NUM_GPUS_PER_NODE (logged only: one process per node, on its first GPU),
+        MASTER_PORT (default 29500).
+    DIST_TIMEOUT_S: seconds to wait for the other nodes before failing (default 60).
+    WORKLOAD_THROTTLE_S: seconds to pause after each step (default 0); lets tests and demos
+        interrupt a run midway.
+
+Every rank resumes from the newest complete checkpoint in OUTPUT_URI (``resuming from step N``);
+when that checkpoint already reaches MAX_STEPS the program exits 0 at once, before loading torch.
+Rank 0 alone writes checkpoints and reports to Dagster: ``steps``, ``final_loss``, ``checkpoints``
+(steps written by this run) and ``resumed_from_step`` (0 for a fresh start).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+from workloads.checkpoints import latest_checkpoint, read_manifest
+from workloads.config import ConfigError, env_flag, env_float, env_int, env_str, node_rank, run_main
+from workloads.reporting import open_reporting
+
+
+def main() -> int:
+    """Train to MAX_STEPS from the latest complete checkpoint, checkpointing on the way."""
+    rank, world = node_rank(), env_int("SKYPILOT_NUM_NODES", 1)
+    node_ips = os.environ.get("SKYPILOT_NODE_IPS", "").split()
+    if world > 1 and not node_ips:
+        raise ConfigError("SKYPILOT_NODE_IPS is required when SKYPILOT_NUM_NODES > 1")
+    if not 0 <= rank < world:
+        raise ConfigError(f"SKYPILOT_NODE_RANK={rank} is outside 0..{world - 1} (SKYPILOT_NUM_NODES={world})")
+    settings = dict(
+        dataset_uri=env_str("DATASET_URI"),
+        output_uri=env_str("OUTPUT_URI"),
+        checkpoints_dir=env_str(
+            "CHECKPOINTS_DIR", os.path.join(tempfile.gettempdir(), "gpudoor-checkpoints")
+        ),
+        max_steps=env_int("MAX_STEPS", 60),
+        checkpoint_every=env_int("CHECKPOINT_EVERY", 20),
+        batch_size=env_int("BATCH_SIZE", 32),
+        learning_rate=env_float("LEARNING_RATE", 0.01),
+        smoke=env_flag("SMOKE_TEST"),
+        throttle_s=env_float("WORKLOAD_THROTTLE_S", 0.0),
+        rank=rank,
+        world=world,
+        master_addr=node_ips[0] if node_ips else "127.0.0.1",
+        master_port=env_int("MASTER_PORT", 29500),
+        dist_timeout_s=env_int("DIST_TIMEOUT_S", 60),
+    )
+    if min(settings["max_steps"], settings["checkpoint_every"], settings["batch_size"]) < 1:
+        raise ConfigError("MAX_STEPS, CHECKPOINT_EVERY and BATCH_SIZE must be >= 1")
+
+    with open_reporting() as reporter:
+
+        def log(message: str) -> None:
+            """A line for the job log, also sent to Dagster's run log (on rank 0, under Pipes)."""
+            print(f"[rank {rank}] {message}" if world > 1 else message, flush=True)
+            reporter.log.info(message)
+
+        # Every rank reads storage before any rank can write to it (rank 0 writes only once all
+        # ranks have joined the process group), so all ranks resume from the same step.
+        latest = None if settings["smoke"] else latest_checkpoint(settings["output_uri"])
+        if latest and latest[0] >= settings["max_steps"]:
+            log(
+                f"checkpoint at step {latest[0]} already reaches MAX_STEPS={settings['max_steps']}; nothing to do"
+            )
+            reporter.report_asset_materialization(
+                metadata={
+                    "steps": latest[0],
+                    "final_loss": read_manifest(latest[1]).get("loss"),
+                    "checkpoints": [],
+                    "resumed_from_step": latest[0],
+                }
+            )
+            return 0
+
+        # Imported only now: torch takes seconds to load, which a finished run should not wait for.
+        from workloads.training import TrainingError, TrainSettings, train
+
+        try:
+            result = train(TrainSettings(**settings), latest[1] if latest else None, log)
+        except TrainingError as exc:
+            print(str(exc), file=sys.stderr, flush=True)
+            return 1
+        log(f"finished at step {settings['max_steps']}; final loss {result.final_loss:.4f}")
+        reporter.report_asset_materialization(
+            metadata={
+                "steps": settings["max_steps"],
+                "final_loss": round(result.final_loss, 6),
+                "checkpoints": result.checkpoints,
+                "resumed_from_step": result.resumed_from_step,
+            }
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
