@@ -10,11 +10,12 @@ still running instead of launching a second one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import getpass
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import dagster as dg
@@ -92,6 +93,15 @@ class _Redactor:
         for value in self._values:
             line = line.replace(value, "****")
         return line
+
+
+@contextlib.contextmanager
+def _refused_before_launch() -> Iterator[None]:
+    """Turns a configuration error into a clean step failure that says nothing was launched."""
+    try:
+        yield
+    except LaunchConfigError as e:
+        raise dg.Failure(description=f"Nothing was launched. {e}", metadata={"file": e.source, "field": e.field}) from None
 
 
 class SkyPilotResource(dg.ConfigurableResource):
@@ -265,8 +275,9 @@ class SkyPilotResource(dg.ConfigurableResource):
         run = context.run
         partition = context.partition_key if context.has_partition_key else None
         asset = context.asset_key.to_user_string() if context.has_assets_def else context.op.name
-        backend = self.get_backend()
-        backend.check()
+        with _refused_before_launch():
+            backend = self.get_backend()
+            backend.check()
         bucket = self.transit.get_bucket()
         tag_key = f"{_TAG_JOB_PREFIX}{_slug(asset, 60)}" + (f"-{_slug(partition, 60)}" if partition else "")
         with dg.open_pipes_session(
@@ -275,17 +286,18 @@ class SkyPilotResource(dg.ConfigurableResource):
             message_reader=bucket.pipes_message_reader(),
             extras=dict(extras or {}),
         ) as session:
-            spec, chosen, decision = self.resolve(
-                spec_name,
-                inputs=inputs,
-                launch_config=launch_config,
-                tags=run.tags,
-                run_id=run.run_id,
-                asset=asset,
-                partition=partition,
-                extra_env=session.get_bootstrap_env_vars(),
-                backend=backend,
-            )
+            with _refused_before_launch():
+                spec, chosen, decision = self.resolve(
+                    spec_name,
+                    inputs=inputs,
+                    launch_config=launch_config,
+                    tags=run.tags,
+                    run_id=run.run_id,
+                    asset=asset,
+                    partition=partition,
+                    extra_env=session.get_bootstrap_env_vars(),
+                    backend=backend,
+                )
             job = ResolvedJob(
                 name=f"{_slug(asset, 30)}-{_slug(partition or 'all', 24)}-{run.run_id[:8]}",
                 config=decision.config,
@@ -428,19 +440,20 @@ class SkyPilotResource(dg.ConfigurableResource):
         ready_timeout_s: float = 120.0,
     ) -> ServiceResult:
         """Launches a long-running service (a demo) on ``cluster_name`` and waits for its URL."""
-        backend = self.get_backend()
-        backend.check()
         asset = context.asset_key.to_user_string()
-        spec, chosen, decision = self.resolve(
-            spec_name,
-            inputs=inputs,
-            launch_config=launch_config,
-            tags=context.run.tags,
-            run_id=context.run.run_id,
-            asset=asset,
-            interactive=True,
-            backend=backend,
-        )
+        with _refused_before_launch():
+            backend = self.get_backend()
+            backend.check()
+            spec, chosen, decision = self.resolve(
+                spec_name,
+                inputs=inputs,
+                launch_config=launch_config,
+                tags=context.run.tags,
+                run_id=context.run.run_id,
+                asset=asset,
+                interactive=True,
+                backend=backend,
+            )
         job = ResolvedJob(
             name=cluster_name,
             config=decision.config,
