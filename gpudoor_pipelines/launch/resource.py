@@ -134,7 +134,7 @@ class SkyPilotResource(dg.ConfigurableResource):
     local_home: str | None = Field(default=None, description="State folder of the local backend.")
     cost_owner: str | None = Field(default=None, description="Cost owner label for every job.")
     user: str | None = Field(default=None, description="Who launches (labels, per-user caps).")
-    poll_interval_s: float = Field(default=1.0, description="Seconds between status polls.")
+    poll_interval_s: float = Field(default=0.5, description="Seconds between status polls.")
     cancel_timeout_s: float = Field(default=180.0, description="Bound on waiting for CANCELLED.")
     validate_with_skypilot: bool = Field(
         default=True, description="Parse specs with sky.Task before launching."
