@@ -47,9 +47,8 @@ def main() -> int:
     with open_reporting() as reporter:
 
         def say(message: str) -> None:
-            """A line for the job log, also sent to Dagster's run log under Pipes."""
+            """A line for the job log (the launcher streams the job log into the Dagster run)."""
             print(message, flush=True)
-            reporter.log.info(message)
 
         images = {
             _stem(u): u for u in storage.list_uris(storage.join(shard_uri, "images")) if u.endswith(".png")

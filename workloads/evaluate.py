@@ -75,7 +75,6 @@ def main() -> int:
             f"shape {metrics['shape_accuracy']:.3f}, chance {chance:.3f}); wrote {metrics_uri}"
         )
         print(summary, flush=True)
-        reporter.log.info(summary)
         reporter.report_asset_materialization(metadata=metrics)
         reporter.report_asset_check(
             check_name=CHECK_NAME,

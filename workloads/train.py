@@ -70,9 +70,8 @@ def main() -> int:
     with open_reporting() as reporter:
 
         def log(message: str) -> None:
-            """A line for the job log, also sent to Dagster's run log (on rank 0, under Pipes)."""
-            print(f"[rank {rank}] {message}" if world > 1 else message, flush=True)
-            reporter.log.info(message)
+            """A line for the job log; the launcher streams it into Dagster and prefixes the rank."""
+            print(message, flush=True)
 
         # Every rank reads storage before any rank can write to it (rank 0 writes only once all
         # ranks have joined the process group), so all ranks resume from the same step.

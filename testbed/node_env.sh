@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The Python environment the bed's jobs run their workloads with, built once on the "node".
+#
+# A process started over SSH on the Slurm node does not see the login shell's pip settings, and a
+# task's `setup` would otherwise install torch on every launch: like a real cluster with a shared
+# environment, the bed's fleet (testbed/fleet.yaml) points jobs at this one via GPUDOOR_PYTHON.
+# Idempotent: a second run only checks the imports.
+set -euo pipefail
+ENV_DIR="${GPUDOOR_TESTBED_NODE_ENV:-/var/lib/gpudoor-testbed/nodeenv}"
+NEED="import torch, PIL, boto3, pandas, pyarrow, dagster_pipes"
+if [[ -x "$ENV_DIR/bin/python" ]] && "$ENV_DIR/bin/python" -c "$NEED" 2>/dev/null; then
+  echo "node env ready: $ENV_DIR"
+  exit 0
+fi
+if ! /usr/bin/python3 -c 'import ensurepip' 2>/dev/null; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends python3-venv >/dev/null
+fi
+mkdir -p "$(dirname "$ENV_DIR")"
+/usr/bin/python3 -m venv "$ENV_DIR"
+# Root's pip settings find the on-disk CPU wheel of torch (no multi-GB CUDA download).
+"$ENV_DIR/bin/pip" install -q 'torch==2.13.0' pillow boto3 pandas pyarrow 'dagster-pipes==1.13.27' 2>&1 | grep -v "is ignored" || true
+"$ENV_DIR/bin/python" -c "$NEED"
+chmod -R a+rX "$ENV_DIR"
+echo "node env built: $ENV_DIR"

@@ -1,0 +1,64 @@
+"""The agent route: the flow from captions to checkpoint evals, submitted through Dagster's GraphQL client
+to the same running ``dagster dev`` the UI tests use, checked through the instance."""
+
+from __future__ import annotations
+
+import dagster as dg
+import pytest
+
+from gpudoor_pipelines.assets.partitions import SHARD_KEYS, checkpoint_partitions
+from tests.e2e.conftest import DATASET_RUN_CONFIG
+
+pytestmark = pytest.mark.e2e
+
+# A shorter training than the spec's default (60 steps): two checkpoints, enough for the evals.
+TRAIN_RUN_CONFIG = {
+    "ops": {"training_run": {"config": {"env": {"MAX_STEPS": "20", "CHECKPOINT_EVERY": "10"}}}}
+}
+
+
+def test_agent_route_from_captions_to_checkpoint_evals(dagster_server):
+    server = dagster_server
+    instance = server.instance
+
+    # Upstream: whatever the UI tests did not materialize already.
+    if instance.get_latest_materialization_event(dg.AssetKey("dataset_shards")) is None:
+        server.assert_success(server.submit(["dataset_shards"], run_config=DATASET_RUN_CONFIG))
+    done = instance.get_materialized_partitions(dg.AssetKey("caption_shards"))
+    # Shards are independent jobs: submitted together, they run side by side.
+    shard_runs = {
+        shard: server.submit(["caption_shards"], partition=shard) for shard in SHARD_KEYS if shard not in done
+    }
+    for run_id in shard_runs.values():
+        server.assert_success(run_id)
+    for shard in SHARD_KEYS:
+        md = server.metadata("caption_shards", shard)
+        assert md["pool"] == "onprem" and md["images_total"] == 8, md
+    server.assert_success(server.submit(["captioned_dataset"]))
+    assert server.metadata("captioned_dataset")["rows"] == 32
+
+    # Training: a smoke job, then the 2-rank job; its checkpoints become partitions.
+    before = set(instance.get_dynamic_partitions(checkpoint_partitions.name))
+    train_run = server.submit(["training_run"], run_config=TRAIN_RUN_CONFIG)
+    server.assert_success(train_run)
+    train = server.metadata("training_run")
+    assert train["__run_id__"] == train_run
+    assert train["pool"] == "h200" and train["num_nodes"] == 2, train
+    assert "smoke_job_id" in train and train["job_id"] != train["smoke_job_id"]
+    assert train["gpu_hours"] >= 0 and "cost_usd_estimate" in train
+    new = sorted(set(instance.get_dynamic_partitions(checkpoint_partitions.name)) - before)
+    assert new == sorted(train["checkpoints"]) and len(new) == 2, (new, train["checkpoints"])
+
+    # Evaluate the last checkpoint.
+    checkpoint = new[-1]
+    eval_run = server.submit(["checkpoint_evals"], partition=checkpoint)
+    server.assert_success(eval_run)
+    evals = server.metadata("checkpoint_evals", checkpoint)
+    assert evals["__run_id__"] == eval_run
+    assert 0.0 <= evals["accuracy"] <= 1.0 and evals["pool"] == "inference", evals
+    assert "job_id" in evals and "gpu_hours" in evals
+    check = instance.event_log_storage.get_latest_asset_check_execution_by_key(
+        [dg.AssetCheckKey(dg.AssetKey("checkpoint_evals"), "accuracy_above_chance")]
+    )
+    assert check, "the accuracy check was recorded"
+    assert instance.get_run_by_id(eval_run).tags["dagster/partition"] == checkpoint
