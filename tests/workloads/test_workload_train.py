@@ -32,7 +32,7 @@ def test_checkpoints_with_manifests_every_n_steps(train_runs, final_checkpoint):
 
 def test_killed_after_first_checkpoint_then_resumes_to_max_steps(train_runs, final_checkpoint):
     assert train_runs["killed_before_end"]
-    for rank, (_rc, log) in enumerate(train_runs["ranks"]):
+    for _rank, (_rc, log) in enumerate(train_runs["ranks"]):
         resumed = int(re.search(r"resuming from step (\d+)", log).group(1))
         assert 0 < resumed < MAX_STEPS
         assert f"step {resumed + 1}/{MAX_STEPS} " in log  # carries on right after the checkpoint
@@ -40,7 +40,7 @@ def test_killed_after_first_checkpoint_then_resumes_to_max_steps(train_runs, fin
 
 
 def test_two_ranks_train_together(train_runs, final_checkpoint):
-    for rank, (_rc, log) in enumerate(train_runs["ranks"]):
+    for _rank, (_rc, log) in enumerate(train_runs["ranks"]):
         assert "joined process group of 2" in log
     # Only rank 0 writes checkpoints, so rank 1 never says it wrote one.
     assert (
