@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Stop what testbed/up.sh started: Slurm jobs, the SkyPilot API server (and the job
+# controllers it spawned), the probe server, sshd, slurmd/slurmctld, munge (only if up.sh
+# started it). Leaves packages, the login user and all state/logs in place, so the next
+# up.sh is fast. `down.sh --purge` also deletes the bed's state (GPUDOOR_TESTBED_ROOT).
+set -uo pipefail
+
+# shellcheck source=lib/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
+
+[[ "$(id -u)" == 0 ]] || { echo "testbed/down.sh must run as root" >&2; exit 1; }
+
+# Processes that carry the marker up.sh puts into the API server's environment: the server,
+# its workers, and the consolidated job controllers (these run in their own sessions).
+marked_pids() {
+  local marker="GPUDOOR_TESTBED_OWNER=api-server:$API_PORT:$BED_HOME" envf pid
+  for envf in /proc/[0-9]*/environ; do
+    pid="${envf#/proc/}"
+    pid="${pid%/environ}"
+    [[ "$pid" == "$$" || "$pid" == "$BASHPID" ]] && continue
+    { tr '\0' '\n' <"$envf"; } 2>/dev/null | grep -qxF "$marker" && echo "$pid"
+  done
+}
+
+if [[ -f "$BED_RUN/slurmctld.pid" ]] && pid_alive "$BED_RUN/slurmctld.pid"; then
+  jobs="$(squeue -h -o %i 2>/dev/null | tr '\n' ' ')"
+  if [[ -n "${jobs// /}" ]]; then
+    log "cancelling Slurm jobs: $jobs"
+    # shellcheck disable=SC2086
+    scancel $jobs 2>/dev/null || true
+    for _ in $(seq 1 40); do [[ -z "$(squeue -h -o %i 2>/dev/null)" ]] && break; sleep 0.5; done
+  fi
+fi
+
+log "stopping SkyPilot API server"
+stop_pidfile "$BED_RUN/api-server.pid" 1
+rm -f "$BED_RUN/api-server.fingerprint" "$BED_RUN/api-server.ready"
+left="$(marked_pids | tr '\n' ' ')"
+if [[ -n "${left// /}" ]]; then
+  log "stopping leftover API-server processes: $left"
+  # shellcheck disable=SC2086
+  kill -TERM $left 2>/dev/null || true
+  sleep 2
+  left="$(marked_pids | tr '\n' ' ')"
+  # shellcheck disable=SC2086
+  [[ -n "${left// /}" ]] && kill -KILL $left 2>/dev/null || true
+fi
+
+log "stopping probe server, sshd"
+stop_pidfile "$BED_RUN/probe.pid" 1
+stop_pidfile "$BED_RUN/sshd.pid"
+
+log "stopping slurm"
+for n in "${SLURMD_NODES[@]}"; do stop_pidfile "$BED_RUN/slurmd-$n.pid"; done
+stop_pidfile "$BED_RUN/slurmctld.pid"
+
+# Anything the Slurm login user still runs (SkyPilot's skylet, ssh control masters, ...).
+if id "$LOGIN_USER" >/dev/null 2>&1; then
+  user_pids="$(ps -u "$LOGIN_USER" -o pid= 2>/dev/null | tr '\n' ' ')"
+  if [[ -n "${user_pids// /}" ]]; then
+    log "stopping processes of $LOGIN_USER: $user_pids"
+    # shellcheck disable=SC2086
+    kill -TERM $user_pids 2>/dev/null || true
+    sleep 1
+    user_pids="$(ps -u "$LOGIN_USER" -o pid= 2>/dev/null | tr '\n' ' ')"
+    # shellcheck disable=SC2086
+    [[ -n "${user_pids// /}" ]] && kill -KILL $user_pids 2>/dev/null || true
+  fi
+fi
+
+if [[ -f "$BED_RUN/munged.started-by-testbed" ]]; then
+  log "stopping munge"
+  stop_pidfile /run/munge/munged.pid
+  rm -f "$BED_RUN/munged.started-by-testbed"
+fi
+
+if [[ "${1:-}" == "--purge" ]]; then
+  case "$BED_ROOT" in
+    /|/var|/var/lib|/home|/tmp|"") echo "refusing to purge $BED_ROOT" >&2; exit 1 ;;
+  esac
+  log "purging $BED_ROOT, $STATE_DIR and SkyPilot's cluster dirs of $LOGIN_USER"
+  rm -rf "$BED_ROOT" "$STATE_DIR" "$LOGIN_HOME/sky-clusters" /tmp/gpudoor-sky-runtime
+fi
+log "test bed down"
