@@ -3,6 +3,9 @@
 # controllers it spawned), the probe server, sshd, slurmd/slurmctld, munge (only if up.sh
 # started it). Leaves packages, the login user and all state/logs in place, so the next
 # up.sh is fast. `down.sh --purge` also deletes the bed's state (GPUDOOR_TESTBED_ROOT).
+# The whole script is one function, parsed before it runs: editing the file while it runs
+# cannot change what a running instance executes.
+main() {
 set -uo pipefail
 
 # shellcheck source=lib/common.sh
@@ -82,3 +85,6 @@ if [[ "${1:-}" == "--purge" ]]; then
   rm -rf "$BED_ROOT" "$STATE_DIR" "$LOGIN_HOME/sky-clusters" /tmp/gpudoor-sky-runtime
 fi
 log "test bed down"
+}
+
+main "$@"

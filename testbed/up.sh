@@ -14,6 +14,9 @@
 #   GPUDOOR_TESTBED_ADMIN_POLICY  module.Class -> `admin_policy:` in the server config
 #   GPUDOOR_TESTBED_READY_TIMEOUT seconds to wait for SkyPilot to see both partitions (default 240)
 # Writes testbed/.state/env (exports for clients) and prints it.
+# The whole script is one function, parsed before it runs: editing the file while it runs
+# cannot change what a running instance executes.
+main() {
 set -euo pipefail
 
 # shellcheck source=lib/common.sh
@@ -484,3 +487,6 @@ fi
 FAILED_STEP=""
 log "test bed up in $((SECONDS - T0)) s; logs in $BED_LOG; env in $STATE_DIR/env"
 echo "$ENV_BODY"
+}
+
+main "$@"

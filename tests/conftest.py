@@ -16,6 +16,8 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 SPECS_DIR = PROJECT_ROOT / "task_specs"
 
 os.environ["SKYPILOT_DISABLE_USAGE_COLLECTION"] = "1"
+# A SkyPilot client that has no endpoint must fail, never start a private API server of its own.
+os.environ["SKYPILOT_DISABLE_LOCAL_API_SERVER"] = "1"
 
 
 @pytest.fixture(autouse=True)

@@ -8,6 +8,7 @@ never used. Requests return ids, resolved with ``sky.get``.
 from __future__ import annotations
 
 import copy
+import io
 import os
 import queue
 import re
@@ -34,30 +35,47 @@ def _sky():
     return sky
 
 
-class _ThreadFollower(LogFollower):
-    """Runs a blocking SDK log stream in a thread; ``poll`` hands out the lines received so far."""
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
-    def __init__(self, stream_factory) -> None:
-        self._lines: queue.Queue[str] = queue.Queue()
-        self._stop = threading.Event()
+
+class _QueueStream(io.TextIOBase):
+    """A text stream that hands complete lines (colour codes removed) to a queue."""
+
+    def __init__(self, lines: queue.Queue[str]) -> None:
+        self._lines = lines
         self._partial = ""
-        self._thread = threading.Thread(target=self._run, args=(stream_factory,), daemon=True)
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        data = self._partial + text
+        *complete, self._partial = data.split("\n")
+        for line in complete:
+            self._lines.put(_ANSI.sub("", line).rstrip("\r"))
+        return len(text)
+
+    def flush_partial(self) -> None:
+        if self._partial:
+            self._lines.put(_ANSI.sub("", self._partial))
+            self._partial = ""
+
+
+class _ThreadFollower(LogFollower):
+    """Runs a blocking SDK log stream (``follow=True``) in a thread; ``poll`` hands out its lines."""
+
+    def __init__(self, stream_to) -> None:
+        self._lines: queue.Queue[str] = queue.Queue()
+        self._stream = _QueueStream(self._lines)
+        self._thread = threading.Thread(target=self._run, args=(stream_to,), daemon=True)
         self._thread.start()
 
-    def _run(self, stream_factory) -> None:
+    def _run(self, stream_to) -> None:
         try:
-            for chunk in stream_factory():
-                if chunk is None or self._stop.is_set():
-                    break
-                text = self._partial + chunk
-                *lines, self._partial = text.split("\n")
-                for line in lines:
-                    self._lines.put(line.rstrip("\r"))
+            stream_to(self._stream)
         except Exception as e:  # The stream ends with the job or the connection; say so in the log.
             self._lines.put(f"[gpudoor] log stream ended: {type(e).__name__}: {e}")
-        if self._partial:
-            self._lines.put(self._partial)
-            self._partial = ""
+        self._stream.flush_partial()
 
     def poll(self) -> list[str]:
         out = []
@@ -68,8 +86,8 @@ class _ThreadFollower(LogFollower):
                 return out
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+        # The SDK call cannot be interrupted; the daemon thread ends with the job's log.
+        self._thread.join(timeout=2)
 
 
 def _state(status: Any) -> JobState:
@@ -205,10 +223,10 @@ class SkyPilotBackend(Backend):
         if _SERVICE_SEP in job_id:
             cluster, cid = job_id.split(_SERVICE_SEP)
             return _ThreadFollower(
-                lambda: sky.tail_logs(cluster, int(cid), follow=True, preload_content=False)
+                lambda out: sky.tail_logs(cluster, int(cid), follow=True, output_stream=out)
             )
         return _ThreadFollower(
-            lambda: sky.jobs.tail_logs(job_id=int(job_id), follow=True, preload_content=False)
+            lambda out: sky.jobs.tail_logs(job_id=int(job_id), follow=True, output_stream=out)
         )
 
     def log_tail(self, job_id: str, lines: int = 30) -> list[str]:
@@ -225,7 +243,7 @@ class SkyPilotBackend(Backend):
                 sky.jobs.tail_logs(job_id=int(job_id), follow=False, tail=lines, output_stream=out)
         except Exception as e:  # The tail is best effort: the failure itself is reported anyway.
             return [f"[gpudoor] could not fetch the log tail: {type(e).__name__}: {e}"]
-        return [line for line in out.getvalue().splitlines() if line.strip()][-lines:]
+        return [_ANSI.sub("", line) for line in out.getvalue().splitlines() if line.strip()][-lines:]
 
     def cancel(self, job_id: str) -> None:
         """``sky.jobs.cancel`` of the job (returns once the request is accepted)."""
