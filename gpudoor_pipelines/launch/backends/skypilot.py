@@ -204,7 +204,9 @@ class SkyPilotBackend(Backend):
         if _SERVICE_SEP in job_id:
             return self._service_status(job_id)
         r = self._record(int(job_id))
-        infra = r.infra or "/".join(x for x in (r.cloud, r.region, r.zone) if x)
+        # queue_v2's `infra` leaves the zone out ("Slurm (cluster)"); a Slurm partition is the zone.
+        parts = [str(x) for x in (r.cloud, r.region, r.zone) if x]
+        infra = "/".join([parts[0].lower(), *parts[1:]]) if parts else (r.infra or "")
         return JobInfo(
             job_id=job_id,
             state=_state(r.status),
