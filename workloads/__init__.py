@@ -10,6 +10,7 @@ through Pipes when launched by it:
 * ``workloads.evaluate``: score a checkpoint on the held-out images.
 * ``workloads.serve``: serve a checkpoint over HTTP as a demo.
 
-They depend on torch, pillow, boto3, pandas/pyarrow and dagster-pipes only, never on
-``gpudoor_pipelines`` or ``dagster``, so a GPU node needs nothing else installed.
+They depend on torch, pillow, boto3, pandas/pyarrow and dagster-pipes, and on the Dagster-free
+storage layer ``gpudoor_pipelines.transit.bucket`` (in the workdir), never on ``dagster``, so a GPU
+node needs nothing else installed.
 """

@@ -20,7 +20,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from workloads import storage
+from gpudoor_pipelines.transit.bucket import MANIFEST_NAME, join, list_uris, publish, read_bytes, write_bytes
 from workloads.config import ConfigError, env_float, env_int, env_str, run_main
 from workloads.reporting import open_reporting
 
@@ -50,16 +50,14 @@ def main() -> int:
             """A line for the job log (the launcher streams the job log into the Dagster run)."""
             print(message, flush=True)
 
-        images = {
-            _stem(u): u for u in storage.list_uris(storage.join(shard_uri, "images")) if u.endswith(".png")
-        }
+        images = {_stem(u): u for u in list_uris(join(shard_uri, "images")) if u.endswith(".png")}
         if not images:
-            print(f"no images under {storage.join(shard_uri, 'images')}", file=sys.stderr, flush=True)
+            print(f"no images under {join(shard_uri, 'images')}", file=sys.stderr, flush=True)
             return 1
         done = {
             _stem(u)
-            for u in storage.list_uris(output_uri)
-            if u.endswith(".json") and posixpath.basename(u) != storage.MANIFEST_NAME
+            for u in list_uris(output_uri)
+            if u.endswith(".json") and posixpath.basename(u) != MANIFEST_NAME
         }
         todo = sorted(set(images) - done)
         skipped = len(images) - len(todo)
@@ -72,9 +70,7 @@ def main() -> int:
             say(f"skipping {skipped} images already captioned")
 
         def write(record: dict[str, str]) -> None:
-            storage.write_bytes(
-                storage.join(output_uri, f"{record['image_id']}.json"), json.dumps(record).encode()
-            )
+            write_bytes(join(output_uri, f"{record['image_id']}.json"), json.dumps(record).encode())
 
         started = time.monotonic()
         # Reads and writes overlap in a thread pool (on S3 each is a round trip, which dominates);
@@ -84,7 +80,7 @@ def main() -> int:
                 batch = todo[first : first + report_every]
                 records = []
                 for image_id, png in zip(
-                    batch, pool.map(storage.read_bytes, [images[i] for i in batch]), strict=True
+                    batch, pool.map(read_bytes, [images[i] for i in batch]), strict=True
                 ):
                     records.append(
                         {
@@ -103,7 +99,7 @@ def main() -> int:
         elapsed = max(time.monotonic() - started, 1e-9)
 
         manifest = {"count": len(images), "model": model_name, "images": sorted(images)}
-        storage.write_bytes(storage.join(output_uri, storage.MANIFEST_NAME), json.dumps(manifest).encode())
+        publish(output_uri, manifest)  # last: the captions are all written
         say(f"done: {len(todo)} captioned, {skipped} skipped, manifest written")
         reporter.report_asset_materialization(
             metadata={

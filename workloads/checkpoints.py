@@ -10,10 +10,10 @@ import json
 import re
 from typing import Any
 
-from workloads import storage
+from gpudoor_pipelines.transit.bucket import MANIFEST_NAME, join, list_uris, read_bytes
 
 MODEL_FILE = "model.pt"
-_STEP_MANIFEST = re.compile(r"/step-(\d+)/" + re.escape(storage.MANIFEST_NAME) + "$")
+_STEP_MANIFEST = re.compile(r"/step-(\d+)/" + re.escape(MANIFEST_NAME) + "$")
 
 
 def checkpoint_dir_name(step: int) -> str:
@@ -23,7 +23,7 @@ def checkpoint_dir_name(step: int) -> str:
 
 def checkpoint_file_uri(checkpoint_uri: str) -> str:
     """The model file of a checkpoint, given its folder (or the file itself)."""
-    return checkpoint_uri if checkpoint_uri.endswith(".pt") else storage.join(checkpoint_uri, MODEL_FILE)
+    return checkpoint_uri if checkpoint_uri.endswith(".pt") else join(checkpoint_uri, MODEL_FILE)
 
 
 def latest_checkpoint(prefix_uri: str) -> tuple[int, str] | None:
@@ -32,18 +32,13 @@ def latest_checkpoint(prefix_uri: str) -> tuple[int, str] | None:
     Returns:
         (step, checkpoint folder URI), or None when there is none.
     """
-    steps = [int(m.group(1)) for uri in storage.list_uris(prefix_uri) if (m := _STEP_MANIFEST.search(uri))]
+    steps = [int(m.group(1)) for uri in list_uris(prefix_uri) if (m := _STEP_MANIFEST.search(uri))]
     if not steps:
         return None
     step = max(steps)
-    return step, storage.join(prefix_uri, checkpoint_dir_name(step))
+    return step, join(prefix_uri, checkpoint_dir_name(step))
 
 
 def read_manifest(checkpoint_uri: str) -> dict[str, Any]:
     """The manifest of a checkpoint folder."""
-    return json.loads(storage.read_bytes(storage.join(checkpoint_uri, storage.MANIFEST_NAME)))
-
-
-def write_manifest(checkpoint_uri: str, manifest: dict[str, Any]) -> None:
-    """Write a checkpoint's manifest: call it after every other file of the checkpoint is stored."""
-    storage.write_bytes(storage.join(checkpoint_uri, storage.MANIFEST_NAME), json.dumps(manifest).encode())
+    return json.loads(read_bytes(join(checkpoint_uri, MANIFEST_NAME)))

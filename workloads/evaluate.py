@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import sys
 
-from workloads import storage
+from gpudoor_pipelines.transit.bucket import join, write_bytes
 from workloads.config import ConfigError, env_int, env_str, run_main
 from workloads.model import load_model, load_split, pick_device, predict
 from workloads.reporting import open_reporting
@@ -68,8 +68,8 @@ def main() -> int:
             "checkpoint_step": int(state["step"]),
             "chance": chance,
         }
-        metrics_uri = storage.join(output_uri, "metrics.json")
-        storage.write_bytes(metrics_uri, json.dumps(metrics, indent=2).encode())
+        metrics_uri = join(output_uri, "metrics.json")
+        write_bytes(metrics_uri, json.dumps(metrics, indent=2).encode())
         summary = (
             f"accuracy {metrics['accuracy']:.3f} (colour {metrics['color_accuracy']:.3f}, "
             f"shape {metrics['shape_accuracy']:.3f}, chance {chance:.3f}); wrote {metrics_uri}"

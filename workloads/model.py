@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from workloads import storage
+from gpudoor_pipelines.transit.bucket import read_bytes
 from workloads.checkpoints import checkpoint_file_uri
 from workloads.synthetic import COLORS, SHAPES, is_heldout
 
@@ -111,7 +111,7 @@ def load_model(checkpoint_uri: str, device: torch.device) -> tuple[ShapeColorNet
     Returns:
         (model, the checkpoint dict).
     """
-    state = load_checkpoint(storage.read_bytes(checkpoint_file_uri(checkpoint_uri)), device)
+    state = load_checkpoint(read_bytes(checkpoint_file_uri(checkpoint_uri)), device)
     model = build_model(state["vocab"])
     model.load_state_dict(state["model"])
     return model.to(device).eval(), state
@@ -140,9 +140,7 @@ def load_split(
     """
     import pandas as pd  # only train and evaluate need pandas; serve does not
 
-    frame = pd.read_parquet(
-        io.BytesIO(storage.read_bytes(dataset_uri)), columns=["image_id", "image_uri", "caption"]
-    )
+    frame = pd.read_parquet(io.BytesIO(read_bytes(dataset_uri)), columns=["image_id", "image_uri", "caption"])
     rows = []
     for row in frame.itertuples(index=False):
         if is_heldout(str(row.image_id)) != heldout:
@@ -159,7 +157,7 @@ def load_split(
         )
     # Images are fetched in parallel: on S3 each read is a round trip, not a disk seek.
     with ThreadPoolExecutor(max_workers=16) as pool:
-        pngs = list(pool.map(storage.read_bytes, [uri for uri, _, _ in rows]))
+        pngs = list(pool.map(read_bytes, [uri for uri, _, _ in rows]))
     images = torch.stack([image_to_input(png) for png in pngs])
     colors = torch.tensor([c for _, c, _ in rows], dtype=torch.long)
     shapes = torch.tensor([s for _, _, s in rows], dtype=torch.long)

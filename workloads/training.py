@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from workloads import storage
-from workloads.checkpoints import MODEL_FILE, checkpoint_dir_name, latest_checkpoint, write_manifest
+from gpudoor_pipelines.transit.bucket import join, publish, read_bytes
+from workloads.checkpoints import MODEL_FILE, checkpoint_dir_name, latest_checkpoint
 from workloads.model import (
     build_model,
     default_vocab,
@@ -78,11 +78,7 @@ def train(settings: TrainSettings, resume_uri: str | None, log: Callable[[str], 
     gpus = os.environ.get("SKYPILOT_NUM_GPUS_PER_NODE", "1" if device.type == "cuda" else "0")
     log(f"node {s.rank + 1}/{s.world} on {device} (one process; node has {gpus} GPU(s))")
 
-    state = (
-        load_checkpoint(storage.read_bytes(storage.join(resume_uri, MODEL_FILE)), device)
-        if resume_uri
-        else None
-    )
+    state = load_checkpoint(read_bytes(join(resume_uri, MODEL_FILE)), device) if resume_uri else None
     vocab = state["vocab"] if state else default_vocab()
     images, colors, shapes = load_split(s.dataset_uri, vocab, heldout=False)
     if len(images) == 0:
@@ -168,23 +164,19 @@ def _write_checkpoint(
     loss: float,
     train_accuracy: float,
 ) -> str:
-    """Save locally, upload the model, then the manifest last; return the checkpoint's URI."""
+    """Save locally, then publish the model with its manifest (written last); return the checkpoint's URI."""
     name = checkpoint_dir_name(step)
     local = os.path.join(s.checkpoints_dir, name, MODEL_FILE)
     os.makedirs(os.path.dirname(local), exist_ok=True)
     save_checkpoint(local, model, optimizer, step, vocab)
-    uri = storage.join(s.output_uri, name)
-    with open(local, "rb") as f:
-        storage.write_bytes(storage.join(uri, MODEL_FILE), f.read())
-    write_manifest(
-        uri,
-        {
-            "step": step,
-            "loss": round(loss, 6),
-            "train_accuracy": round(train_accuracy, 4),
-            "created_at": datetime.now(UTC).isoformat(),
-        },
-    )
+    uri = join(s.output_uri, name)
+    manifest = {
+        "step": step,
+        "loss": round(loss, 6),
+        "train_accuracy": round(train_accuracy, 4),
+        "created_at": datetime.now(UTC).isoformat(),
+    }
+    publish(uri, manifest, files={MODEL_FILE: local})
     return uri
 
 

@@ -1,15 +1,11 @@
-"""IO manager that keeps asset values in the transit bucket (local folder or S3).
+"""The IO manager that keeps asset values in the transit bucket, on Dagster's ``UPathIOManager``.
 
-Layout (relative to the bucket root)::
+Layout under the bucket root (multi-partition keys are ``<v1>/<v2>``, dimensions sorted by name)::
 
-    assets/<asset key path>/<partition key or "__all__">.parquet    pandas.DataFrame
-    assets/<asset key path>/<partition key or "__all__">.ref.json   TransitRef
-    assets/<asset key path>/<partition key or "__all__">.pickle     anything else
-    runs/<run id>/<step key>/<output name>.<ext>                    op outputs (no asset key)
-
-Multi-dimensional partition keys become ``<dim1 value>/<dim2 value>`` (dimensions sorted by name),
-like Dagster's UPath IO manager. ``None`` outputs store nothing. Loading several upstream partitions
-gives a ``dict`` partition key -> value.
+    assets/<asset key path>/<partition or "__all__">.parquet    pandas.DataFrame
+    assets/<asset key path>/<partition or "__all__">.ref.json   TransitRef
+    assets/<asset key path>/<partition or "__all__">.pickle     anything else (None stores nothing)
+    runs/<run id>/<step key>/<output name>.<suffix>             op outputs
 """
 
 from __future__ import annotations
@@ -18,256 +14,174 @@ import dataclasses
 import io
 import json
 import pickle
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Mapping
 from typing import Any
 
 import dagster as dg
+from upath import UPath
 
-from .bucket import TransitBucket, TransitObjectMissing, asset_object_key, escape_partition, join_key
+from .bucket import TransitBucket, TransitObjectMissing
 from .resource import TransitBucketResource
 
-PARQUET = ".parquet"
-REF = ".ref.json"
-PICKLE = ".pickle"
+PARQUET, REF, PICKLE = ".parquet", ".ref.json", ".pickle"
 
 
 @dataclasses.dataclass(frozen=True)
 class TransitRef:
-    """A pointer to data a job wrote into the transit bucket itself (caption shards, checkpoints).
-
-    ``uri`` is a folder prefix or an object URI inside the bucket; ``manifest`` is the published
-    manifest (or any JSON-serialisable description). JSON round-trips with to_json/from_json.
-    """
+    """A pointer to data a job wrote into the transit bucket itself (caption shards, checkpoints): a folder
+    or object ``uri`` in the bucket and its ``manifest`` (or any JSON-serialisable description)."""
 
     uri: str
     manifest: dict = dataclasses.field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"uri": self.uri, "manifest": self.manifest}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> TransitRef:
-        return cls(uri=str(d["uri"]), manifest=dict(d.get("manifest") or {}))
-
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True, default=str)
+        """The JSON form stored in the bucket."""
+        return json.dumps({"uri": self.uri, "manifest": self.manifest}, sort_keys=True, default=str)
 
     @classmethod
     def from_json(cls, s: str | bytes) -> TransitRef:
-        return cls.from_dict(json.loads(s))
+        """Inverse of :meth:`to_json`."""
+        d = json.loads(s)
+        return cls(uri=str(d["uri"]), manifest=dict(d.get("manifest") or {}))
 
 
-class TransitAssetMissing(TransitObjectMissing):
-    """load_input found no stored value for an upstream asset (partition)."""
+def _escape(path: str) -> str:
+    """Empty, ``.`` and ``..`` segments (of a partition or asset key) as ``%2F``, ``%2E``, ``%2E%2E``."""
+    return "/".join(s.replace(".", "%2E") if s in (".", "..") else s or "%2F" for s in path.split("/"))
 
 
-def partition_path(partition_key: str) -> str:
-    """Key path of a partition: multi-partition keys become '<v1>/<v2>' (dimensions sorted by name)."""
-    if isinstance(partition_key, dg.MultiPartitionKey):
-        return "/".join(v for _, v in sorted(partition_key.keys_by_dimension.items()))
-    return partition_key
+def _frame_type(tp: Any) -> bool:
+    pd = sys.modules.get("pandas")  # not imported yet: nothing can be a DataFrame
+    return pd is not None and isinstance(tp, type) and issubclass(tp, pd.DataFrame)
 
 
-def _is_dataframe(obj: Any) -> bool:
-    try:
-        import pandas as pd
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(obj, pd.DataFrame)
+def _suffix(obj: Any) -> str:
+    return PARQUET if _frame_type(type(obj)) else REF if isinstance(obj, TransitRef) else PICKLE
 
 
-def _is_dataframe_type(tp: Any) -> bool:
-    try:
-        import pandas as pd
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(tp, type) and issubclass(tp, pd.DataFrame)
+def _dict_of(tp: Any) -> Any:
+    """X for an input typed ``dict[str, X]`` (several partitions), else None."""
+    args = getattr(tp, "__args__", ())
+    return args[1] if getattr(tp, "__origin__", None) in (dict, Mapping) and len(args) == 2 else None
 
 
-def _is_dict_type(tp: Any) -> bool:
-    return tp is dict or getattr(tp, "__origin__", None) in (dict, Mapping)
+class _BucketIOManager(dg.UPathIOManager):
+    """UPathIOManager over the bucket: Dagster makes the paths, the bucket does the I/O (so S3 needs no
+    s3fs). Paths come without suffix (``extension`` is None): the value's type chooses it."""
 
+    def __init__(self, bucket: TransitBucket):
+        self.bucket = bucket
+        super().__init__(base_path=UPath(bucket.root_uri))
 
-class TransitIOManager(dg.ConfigurableIOManager):
-    """Stores asset values in the transit bucket: DataFrames as Parquet (readable by pandas, pyarrow,
-    duckdb straight from the bucket URI), :class:`TransitRef` as JSON, ``None`` as nothing, anything
-    else pickled. Needs only the transit resource::
+    def _key(self, path: UPath, suffix: str = "") -> str:
+        return self.bucket.key_of(str(path)) + suffix
 
-        transit = bucket_from_env()
-        Definitions(..., resources={"transit": transit, "io_manager": TransitIOManager(transit=transit)})
-    """
+    def get_asset_relative_path(self, context: dg.InputContext | dg.OutputContext) -> UPath:
+        tail = [] if context.has_asset_partitions else ["__all__"]
+        return UPath("assets", *map(_escape, context.asset_key.path), *tail)
 
-    transit: TransitBucketResource
+    def get_op_output_relative_path(self, context: dg.InputContext | dg.OutputContext) -> UPath:
+        return UPath("runs", *(_escape(str(p)) for p in context.get_identifier()))
 
-    # ---- locations ------------------------------------------------------------------------------
+    def make_safe_partition_path(self, base_path: UPath, partition: str) -> UPath:
+        return base_path / _escape(partition)
 
-    @property
-    def bucket(self) -> TransitBucket:
-        return self.transit.get_bucket()
-
-    def key_for(
-        self, asset_key: dg.AssetKey | Sequence[str] | str, partition: str | None, suffix: str
-    ) -> str:
-        """Bucket key of an asset (partition) value with a given suffix."""
-        if isinstance(asset_key, str):
-            path = dg.AssetKey.from_user_string(asset_key).path
-        elif isinstance(asset_key, dg.AssetKey):
-            path = asset_key.path
+    def dump_to_path(self, context: dg.OutputContext, obj: Any, path: UPath) -> None:
+        if obj is None:  # the asset wrote through the bucket itself
+            return
+        suffix = _suffix(obj)
+        if suffix == PARQUET:
+            data = obj.to_parquet(engine="pyarrow")
         else:
-            path = list(asset_key)
-        return asset_object_key(path, partition_path(partition) if partition is not None else None, suffix)
+            data = obj.to_json().encode() if suffix == REF else pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
+        self.bucket.put_bytes(self._key(path, suffix), data)
 
-    def uri_for(
-        self,
-        asset_key: dg.AssetKey | Sequence[str] | str,
-        partition: str | None = None,
-        suffix: str = PARQUET,
-    ) -> str:
-        """URI of an asset (partition) value, e.g. to read it with duckdb/pandas outside Dagster."""
-        return self.bucket.uri(self.key_for(asset_key, partition, suffix))
-
-    @staticmethod
-    def _op_key(identifier: Sequence[str], suffix: str) -> str:
-        parts = [escape_partition(str(p)) for p in identifier]
-        parts[-1] = parts[-1] + suffix
-        return join_key("runs", *parts)
-
-    def _output_base(self, context: dg.OutputContext) -> tuple[Any, str | None]:
-        """(asset key or op identifier, partition path or None)."""
-        if context.has_asset_key:
-            partition = None
-            if context.has_asset_partitions:
-                keys = list(context.asset_partition_keys)
-                if len(keys) != 1:
-                    raise dg.DagsterInvariantViolationError(
-                        f"TransitIOManager stores one partition per output, but {context.asset_key.to_user_string()} "
-                        f"produced {len(keys)} partitions in one step (a single-run backfill). Launch the "
-                        "backfill as one run per partition, or write the data yourself and return None."
-                    )
-                partition = keys[0]
-            return context.asset_key, partition
-        return tuple(context.get_identifier()), None
-
-    def _key(self, base: Any, partition: str | None, suffix: str) -> str:
-        if isinstance(base, dg.AssetKey):
-            return self.key_for(base, partition, suffix)
-        return self._op_key(base, suffix)
-
-    # ---- output ---------------------------------------------------------------------------------
-
-    def handle_output(self, context: dg.OutputContext, obj: Any) -> None:
-        if obj is None:
-            return  # nothing stored (assets that write through the bucket themselves return None)
-        base, partition = self._output_base(context)
-        bucket = self.bucket
-        metadata: dict[str, Any] = {}
-        if _is_dataframe(obj):
-            key = self._key(base, partition, PARQUET)
-            buf = io.BytesIO()
-            obj.to_parquet(buf, engine="pyarrow")
-            data = buf.getvalue()
-            bucket.put_bytes(key, data)
-            metadata.update(
-                {
-                    "rows": dg.MetadataValue.int(len(obj)),
-                    "columns": dg.MetadataValue.int(len(obj.columns)),
-                    "dagster/row_count": dg.MetadataValue.int(len(obj)),
-                    "dagster/column_schema": dg.TableSchema(
-                        columns=[dg.TableColumn(name=str(c), type=str(t)) for c, t in obj.dtypes.items()]
-                    ),
-                    "bytes": dg.MetadataValue.int(len(data)),
-                }
-            )
-        elif isinstance(obj, TransitRef):
-            key = self._key(base, partition, REF)
-            bucket.put_bytes(key, obj.to_json().encode("utf-8"))
-            metadata.update(
-                {
-                    "target_uri": dg.MetadataValue.path(obj.uri),
-                    "manifest": dg.MetadataValue.json(obj.manifest),
-                }
-            )
-        else:
-            key = self._key(base, partition, PICKLE)
-            bucket.put_bytes(key, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-        uri = bucket.uri(key)
-        context.log.debug(f"TransitIOManager: wrote {uri}")
-        context.add_output_metadata({"uri": dg.MetadataValue.path(uri), **metadata})
-
-    # ---- input ----------------------------------------------------------------------------------
-
-    def load_input(self, context: dg.InputContext) -> Any:
-        typing_type = context.dagster_type.typing_type
-        if context.has_asset_key and context.has_asset_partitions:
-            keys = list(context.asset_partition_keys)
-            if not keys:
-                return None
-            allow_missing = bool((context.definition_metadata or {}).get("allow_missing_partitions", False))
-            if len(keys) == 1 and not _is_dict_type(typing_type):
-                return self._load_one(context, context.asset_key, keys[0], typing_type)
-            out = {}
-            value_type = Any
-            args = getattr(typing_type, "__args__", None)
-            if _is_dict_type(typing_type) and args and len(args) == 2:
-                value_type = args[1]
-            for pk in keys:
-                try:
-                    out[pk] = self._load_one(context, context.asset_key, pk, value_type)
-                except TransitAssetMissing:
-                    if not allow_missing:
-                        raise
-                    context.log.warning(
-                        f"partition {pk!r} of {context.asset_key.to_user_string()} is missing; skipped"
-                    )
-            return out
-        if context.has_asset_key:
-            return self._load_one(context, context.asset_key, None, typing_type)
-        upstream = context.upstream_output
-        if upstream is None:  # pragma: no cover
-            raise dg.DagsterInvariantViolationError("TransitIOManager: input has no upstream output")
-        return self._load_one(context, tuple(upstream.get_identifier()), None, typing_type)
-
-    def _load_one(self, context: dg.InputContext, base: Any, partition: str | None, typing_type: Any) -> Any:
-        if _is_dataframe_type(typing_type):
-            suffixes = [PARQUET]
-        elif typing_type is TransitRef:
-            suffixes = [REF]
-        else:
-            suffixes = [PARQUET, REF, PICKLE]
-        bucket = self.bucket
+    def load_from_path(self, context: dg.InputContext, path: UPath) -> Any:
+        tp = context.dagster_type.typing_type
+        tp = _dict_of(tp) or tp
+        suffixes = [PARQUET] if _frame_type(tp) else [REF] if tp is TransitRef else [PARQUET, REF, PICKLE]
         for suffix in suffixes:
-            key = self._key(base, partition, suffix)
             try:
-                data = bucket.get_bytes(key)
+                data = self.bucket.get_bytes(self._key(path, suffix))
             except TransitObjectMissing:
                 continue
-            context.log.debug(f"TransitIOManager: loading {bucket.uri(key)}")
             if suffix == PARQUET:
                 import pandas as pd
 
                 return pd.read_parquet(io.BytesIO(data))
-            if suffix == REF:
-                return TransitRef.from_json(data)
-            return pickle.loads(data)
-        raise self._missing(context, base, partition, [self._key(base, partition, s) for s in suffixes])
-
-    def _missing(
-        self, context: dg.InputContext, base: Any, partition: str | None, keys: list[str]
-    ) -> TransitAssetMissing:
-        bucket = self.bucket
-        uris = [bucket.uri(k) for k in keys]
-        if isinstance(base, dg.AssetKey):
-            what = f"upstream asset '{base.to_user_string()}'"
-            part = f" partition '{partition}'" if partition is not None else ""
-            fix = f"Materialize '{base.to_user_string()}'{part} first, then run this again."
+            return TransitRef.from_json(data) if suffix == REF else pickle.loads(data)
+        uris = [self.bucket.uri(self._key(path, s)) for s in suffixes]
+        if context.has_asset_key:
+            name = context.asset_key.to_user_string()
+            part = self._key(path).split("/", len(context.asset_key.path) + 1)[-1]
+            what = f"'{name}'" + (f" partition '{part}'" if context.has_asset_partitions else "")
+            what, fix = f"upstream asset {what}", f"Materialize {what} first, then run this again."
         else:
-            what = f"upstream output {'/'.join(map(str, base))}"
-            part = ""
-            fix = "Re-execute the upstream step first."
-        looked = uris[0] if len(uris) == 1 else uris[0] + " (also tried " + ", ".join(uris[1:]) + ")"
-        return TransitAssetMissing(
-            keys[0],
+            what, fix = f"upstream output {self._key(path)}", "Re-execute the upstream step first."
+        raise TransitObjectMissing(
+            self._key(path, suffixes[0]),
             uris[0],
-            f"Cannot load input '{context.name}': {what}{part} has never been materialized into the "
-            f"transit bucket (looked for {looked}). {fix}",
+            f"Cannot load input '{context.name}': {what} has never been materialized into the transit bucket "
+            f"(looked for {uris[0]}" + "".join(f", {u}" for u in uris[1:]) + f"). {fix}",
         )
+
+    def load_partitions(self, context: dg.InputContext) -> Any:
+        # UPathIOManager hands a single partition over bare; an input typed dict[str, X] still wants a dict
+        value, keys = super().load_partitions(context), context.asset_partition_keys
+        if len(keys) == 1 and _dict_of(context.dagster_type.typing_type):
+            return {} if value is None else {keys[0]: value}
+        return value
+
+    def get_metadata(self, context: dg.OutputContext, obj: Any) -> dict[str, Any]:
+        if obj is None:
+            return {}
+        paths = self._get_paths_for_partitions(context) if context.has_asset_partitions else {}
+        path = paths.popitem()[1] if paths else self._get_path(context)
+        uri = dg.MetadataValue.path(self.bucket.uri(self._key(path, _suffix(obj))))
+        meta: dict[str, Any] = {"uri": uri, "path": uri}  # the base class's "path" has no suffix
+        if isinstance(obj, TransitRef):
+            meta.update(target_uri=dg.MetadataValue.path(obj.uri), manifest=obj.manifest)
+        elif _frame_type(type(obj)):
+            columns = [dg.TableColumn(name=str(c), type=str(t)) for c, t in obj.dtypes.items()]
+            meta.update({"rows": len(obj), "columns": len(obj.columns), "dagster/row_count": len(obj)})
+            meta["dagster/column_schema"] = dg.TableSchema(columns=columns)
+        return meta
+
+    # The base class would reach the storage through UPath (s3fs for s3://); the bucket does it instead.
+    def path_exists(self, path: UPath) -> bool:
+        return any(self.bucket.exists(self._key(path, s)) for s in (PARQUET, REF, PICKLE))
+
+    def make_directory(self, path: UPath) -> None:
+        return None  # the bucket makes folders as it writes
+
+    def unlink(self, path: UPath) -> None:
+        raise NotImplementedError("the transit IO manager never deletes stored values")
+
+    def _handle_transition_to_partitioned_asset(self, context: dg.OutputContext, path: UPath) -> None:
+        return None  # nothing to move: an unpartitioned value lives at <asset>/__all__.*, not at <asset>
+
+
+class TransitIOManager(dg.ConfigurableIOManagerFactory):
+    """Keeps asset values in the transit bucket (layout: module docstring); DataFrames are Parquet that
+    pandas, pyarrow or duckdb read straight from the URI. Several upstream partitions load as a dict; input
+    metadata ``allow_missing_partitions`` skips the missing ones. Configured by the transit resource alone:
+    ``TransitIOManager(transit=bucket_from_env())``."""
+
+    transit: TransitBucketResource
+
+    def create_io_manager(self, context: dg.InitResourceContext) -> dg.UPathIOManager:
+        return _BucketIOManager(self.transit.get_bucket())
+
+    def uri_for(
+        self, asset_key: dg.AssetKey | list[str] | str, partition: str | None = None, suffix: str = PARQUET
+    ) -> str:
+        """The URI of an asset (partition) value, e.g. to read it with duckdb or pandas outside Dagster;
+        a string key is a user string (``"team/frames"``)."""
+        if isinstance(asset_key, str):
+            asset_key = dg.AssetKey.from_user_string(asset_key)
+        path = dg.AssetKey.from_coercible(asset_key)
+        if isinstance(partition, dg.MultiPartitionKey):
+            partition = "/".join(v for _, v in sorted(partition.keys_by_dimension.items()))
+        tail = "__all__" if partition is None else _escape(partition)
+        return self.transit.get_bucket().uri("/".join(["assets", *map(_escape, path.path), tail]) + suffix)

@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
+from transit_helpers import TEST_KEY_ID, TEST_SECRET
 
 from gpudoor_pipelines.transit.bucket import (
     MANIFEST_NAME,
+    TMP_PREFIX,
     LocalTransitBucket,
+    S3TransitBucket,
     TransitBucket,
     TransitObjectMissing,
-    asset_object_key,
 )
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _write_tree(root: Path, files: dict[str, bytes]) -> None:
@@ -44,8 +54,6 @@ def test_bytes_round_trip_and_uris(transit_bucket: TransitBucket):
     for bad in ("", "a/../b", "./a", "a//b"):
         with pytest.raises(ValueError):
             b.put_bytes(bad, b"x")
-    assert b.uri_for_asset(["team", "frames"], "2024-01-01") == b.uri("assets/team/frames/2024-01-01.parquet")
-    assert asset_object_key(["x"]) == "assets/x/__all__.parquet"
 
 
 def test_missing_key_errors(transit_bucket: TransitBucket, tmp_path):
@@ -56,20 +64,26 @@ def test_missing_key_errors(transit_bucket: TransitBucket, tmp_path):
     assert err.key == "no/such/key" and err.uri == b.uri("no/such/key")
     assert "no/such/key" in str(err) and b.uri("no/such/key") in str(err)
     assert isinstance(err, FileNotFoundError)
-    with pytest.raises(TransitObjectMissing):
-        b.download_file("no/such/key", tmp_path / "out.bin")
-    assert not (tmp_path / "out.bin").exists()
     assert b.read_manifest("no/such") is None
 
 
 def test_file_round_trip(transit_bucket: TransitBucket, tmp_path):
     src = tmp_path / "src.bin"
     src.write_bytes(bytes(range(256)) * 4096)  # 1 MiB
-    transit_bucket.upload_file(src, "files/src.bin")
-    dst = tmp_path / "deep" / "dir" / "dst.bin"
-    transit_bucket.download_file("files/src.bin", dst)
-    assert dst.read_bytes() == src.read_bytes()
-    assert [p.name for p in dst.parent.iterdir()] == ["dst.bin"]  # no temp files left behind
+    key = transit_bucket.publish("files", {"n": 2}, files={"src.bin": src, "deep/dir/b.bin": b"bytes too"})
+    assert key == f"files/{MANIFEST_NAME}"
+    assert transit_bucket.get_bytes("files/src.bin") == src.read_bytes()
+    assert transit_bucket.get_bytes("files/deep/dir/b.bin") == b"bytes too"
+    # no temp files left behind
+    assert list(transit_bucket.list_keys("files/")) == [key, "files/deep/dir/b.bin", "files/src.bin"]
+    if isinstance(transit_bucket, LocalTransitBucket):
+        assert sorted(p.name for p in (transit_bucket.root / "files").iterdir()) == [
+            MANIFEST_NAME,
+            "deep",
+            "src.bin",
+        ]
+    with pytest.raises(ValueError, match=MANIFEST_NAME):
+        transit_bucket.publish("files", {}, files={MANIFEST_NAME: b"{}"})
 
 
 def test_list_keys_order_prefix_and_cursor(transit_bucket: TransitBucket):
@@ -106,42 +120,12 @@ def test_list_keys_order_prefix_and_cursor(transit_bucket: TransitBucket):
     assert seen == expected + ["zzz/new"]
 
 
-def test_upload_download_dir(transit_bucket: TransitBucket, tmp_path):
-    files = {f"d{i % 3}/f{i:03d}.txt": f"payload {i}".encode() for i in range(40)}
-    files["top.bin"] = b"\x01\x02"
-    src = tmp_path / "src"
-    _write_tree(src, files)
-    keys = transit_bucket.upload_dir(src, "runs/7")
-    assert keys == sorted(f"runs/7/{rel}" for rel in files)
-    transit_bucket.put_bytes("runs/70/other", b"not mine")
-
-    dst = tmp_path / "dst"
-    paths = transit_bucket.download_dir("runs/7", dst)  # folder semantics: not runs/70
-    assert sorted(paths) == sorted(str(dst / rel) for rel in files)
-    for rel, data in files.items():
-        assert (dst / rel).read_bytes() == data
-    assert not (dst.parent / "dst" / "other").exists()
-    assert transit_bucket.download_dir("runs/none", tmp_path / "none") == []
-
-
-def test_delete_prefix(transit_bucket: TransitBucket):
-    b = transit_bucket
-    for i in range(5):
-        b.put_bytes(f"runs/1/x{i}", b"x")
-    b.put_bytes("runs/10/keep", b"k")
-    b.put_bytes("runs/1x", b"k")
-    assert b.delete_prefix("runs/1") == 5
-    assert list(b.list_keys("runs/")) == ["runs/10/keep", "runs/1x"]
-    assert b.delete_prefix("runs/1") == 0
-    with pytest.raises(ValueError):
-        b.delete_prefix("")
-
-
 def test_manifest_published_last(transit_bucket: TransitBucket, tmp_path):
     b = transit_bucket
     files = {f"shard-{i:04d}.jsonl": b"{}\n" * 10 for i in range(60)}
     src = tmp_path / "shards"
     _write_tree(src, files)
+    paths = {rel: src / rel if i % 2 else (src / rel).read_bytes() for i, rel in enumerate(files)}
     expected = sorted(f"out/captions/{rel}" for rel in files)
     manifest_key = f"out/captions/{MANIFEST_NAME}"
 
@@ -163,9 +147,7 @@ def test_manifest_published_last(transit_bucket: TransitBucket, tmp_path):
     t.start()
     try:
         assert b.read_manifest("out/captions") is None
-        b.upload_dir(src, "out/captions")
-        assert b.read_manifest("out/captions") is None
-        key = b.publish_manifest("out/captions", {"shards": len(files), "format": "jsonl"})
+        key = b.publish("out/captions", {"shards": len(files), "format": "jsonl"}, files=paths)
     finally:
         t.join(timeout=30)
         stop.set()
@@ -175,23 +157,121 @@ def test_manifest_published_last(transit_bucket: TransitBucket, tmp_path):
     assert list(b.list_keys("out/captions/"))[0] == manifest_key  # '_' sorts before 's'
 
 
-def test_local_atomic_writes_leave_no_temp_files(tmp_path):
+def test_local_atomic_writes_leave_no_temp_files(tmp_path, monkeypatch):
     b = LocalTransitBucket(tmp_path / "root")
     assert b.root_uri == "file://" + str((tmp_path / "root").resolve())
-    assert b.key_of(str(b.root / "x" / "y")) == "x/y"
 
     class Boom(Exception):
         pass
 
-    def failing_writer():
+    def failing_writer(src, dst, *args):
+        dst.write(b"half")
         raise Boom
 
-    # a writer that dies midway leaves neither the object nor a visible temp file
-    import gpudoor_pipelines.transit.bucket as bucket_mod
-
+    # a writer that dies midway leaves neither the object nor a visible temp file (nor a manifest)
+    monkeypatch.setattr(shutil, "copyfileobj", failing_writer)
+    (tmp_path / "obj").write_bytes(b"whole object")
     with pytest.raises(Boom):
-        bucket_mod._atomic_write(b.path_of("k/obj"), lambda f: (f.write(b"half"), failing_writer()))
+        b.publish("k", {"n": 1}, files={"obj": tmp_path / "obj"})
     assert not b.exists("k/obj")
     assert list(b.list_keys()) == []
     assert [p.name for p in (b.root / "k").iterdir()] == []
     assert b.job_env() == {} and b.job_secrets() == {}
+
+
+def test_publish_failed_writer_leaves_no_manifest(transit_bucket: TransitBucket, tmp_path):
+    with pytest.raises(FileNotFoundError):
+        transit_bucket.publish("p", {"n": 2}, files={"a.bin": b"a", "b.bin": tmp_path / "not-there.bin"})
+    assert not transit_bucket.exists(f"p/{MANIFEST_NAME}") and transit_bucket.read_manifest("p") is None
+    assert [k for k in transit_bucket.list_keys("p/") if k != "p/a.bin"] == []
+
+
+# A writer killed (SIGKILL, as a preempted node is) while publishing a big file: it reports once that
+# the big file is partly written, then stalls until it is killed.
+_KILLED_PUBLISHER = r"""
+import json, shutil, sys, time
+args = json.loads(sys.argv[1])
+sys.path.insert(0, args["repo"])
+from gpudoor_pipelines.transit.bucket import LocalTransitBucket, S3TransitBucket
+
+def stall(*_, **__):
+    print("PART", flush=True)
+    time.sleep(600)
+
+if args["kind"] == "local":
+    b = LocalTransitBucket(args["root"])
+    copy = shutil.copyfileobj
+    def half_then_stall(src, dst, length=0):
+        dst.write(src.read(8 << 20))
+        dst.flush()
+        stall()
+    shutil.copyfileobj = half_then_stall
+else:
+    b = S3TransitBucket(args["bucket"], "transit", endpoint_url=args["endpoint"],
+                        access_key_id=args["key_id"], secret_access_key=args["secret"],
+                        multipart_threshold=8 << 20, multipart_chunksize=8 << 20, max_concurrency=1)
+    b.client.meta.events.register("after-call.s3.UploadPart", stall)
+small = {f"small-{i}.txt": f"small {i}".encode() for i in range(3)}
+b.publish("out", {"n": 4}, files={**small, "big.bin": args["path"]})
+print("DONE", flush=True)
+"""
+
+
+def test_publish_killed_writer_leaves_no_manifest_and_no_partial_object(request, transit_bucket, tmp_path):
+    src = tmp_path / "big.bin"
+    src.write_bytes(os.urandom(24 << 20))  # 3 parts of 8 MiB
+    args = {"repo": str(REPO), "path": str(src)}
+    if isinstance(transit_bucket, S3TransitBucket):
+        args.update(kind="s3", bucket=transit_bucket.bucket, endpoint=request.getfixturevalue("s3_server"))
+        args.update(key_id=TEST_KEY_ID, secret=TEST_SECRET)
+    else:
+        args.update(kind="local", root=str(transit_bucket.root))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_PUBLISHER, json.dumps(args)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        line = proc.stdout.readline().strip()  # blocks until part of the big file is written
+        assert line == "PART", f"the publisher did not start writing the big file: {line!r}"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+
+    # readers see no manifest, no part of the big file, and only whole objects
+    assert transit_bucket.read_manifest("out") is None
+    assert not transit_bucket.exists("out/big.bin")
+    listed = list(transit_bucket.list_keys("out/"))
+    assert set(listed) <= {f"out/small-{i}.txt" for i in range(3)}
+    for key in listed:
+        assert transit_bucket.get_bytes(key) == f"small {key[-5]}".encode()
+    if isinstance(transit_bucket, S3TransitBucket):
+        # the parts are stored but invisible; a bucket lifecycle rule (AbortIncompleteMultipartUpload)
+        # removes them, and the test bucket's teardown aborts them
+        uploads = transit_bucket.client.list_multipart_uploads(Bucket=transit_bucket.bucket).get(
+            "Uploads", []
+        )
+        assert [u["Key"] for u in uploads] == ["transit/out/big.bin"]
+    else:  # the half-written temp file is on disk, under a name listings skip
+        assert any(p.name.startswith(TMP_PREFIX) for p in (transit_bucket.root / "out").iterdir())
+
+
+_IMPORTS = r"""
+import sys
+import gpudoor_pipelines.transit.bucket
+import workloads.caption, workloads.checkpoints, workloads.evaluate, workloads.model, workloads.serve
+import workloads.train, workloads.training
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("dagster", "dagster_aws", "upath"))
+assert not loaded, f"importing the storage layer and the workloads imported {loaded}"
+import gpudoor_pipelines.transit.pipes
+assert "dagster_aws" not in sys.modules, "importing pipes imported dagster_aws (seconds); import it lazily"
+"""
+
+
+def test_storage_layer_and_workloads_import_without_dagster():
+    out = subprocess.run(
+        [sys.executable, "-c", _IMPORTS], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr

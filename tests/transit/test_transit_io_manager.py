@@ -52,7 +52,7 @@ def test_dataframe_assets_round_trip(transit_resource: TransitBucketResource):
     result = dg.materialize([frames, frame_stats], resources=_resources(transit_resource))
     assert result.success
     bucket = transit_resource.get_bucket()
-    uri = bucket.uri_for_asset(["team", "frames"])
+    uri = TransitIOManager(transit=transit_resource).uri_for(["team", "frames"])
     assert uri == bucket.uri("assets/team/frames/__all__.parquet")
     meta = _meta(result, "team__frames")
     assert meta["uri"] == uri
@@ -66,6 +66,10 @@ def test_dataframe_assets_round_trip(transit_resource: TransitBucketResource):
     iom = TransitIOManager(transit=transit_resource)
     assert iom.uri_for("team/frames") == uri
     assert iom.uri_for(dg.AssetKey(["team", "frames"])) == uri
+    assert iom.uri_for(["team", "frames"], "2024-01-01") == bucket.uri(
+        "assets/team/frames/2024-01-01.parquet"
+    )
+    assert iom.uri_for(["x"]) == bucket.uri("assets/x/__all__.parquet")
 
 
 @pytest.mark.s3
@@ -80,7 +84,7 @@ def test_parquet_readable_by_standard_tools(s3_server, s3_bucket_name, monkeypat
     )
     assert dg.materialize([frames], resources=_resources(transit)).success
     bucket = transit.get_bucket()
-    uri = bucket.uri_for_asset(["team", "frames"])
+    uri = TransitIOManager(transit=transit).uri_for(["team", "frames"])
     assert uri.startswith(f"s3://{s3_bucket_name}/transit/")
     expected = frames()
 
@@ -184,10 +188,9 @@ def test_multipartition_key_path(transit_resource: TransitBucketResource):
 @dg.asset
 def captions(transit: TransitBucketResource) -> TransitRef:
     bucket = transit.get_bucket()
-    for i in range(3):
-        bucket.put_bytes(f"jobs/captions/run-1/shard-{i}.jsonl", b'{"caption": "x"}\n')
     manifest = {"shards": 3, "format": "jsonl"}
-    bucket.publish_manifest("jobs/captions/run-1", manifest)
+    files = {f"shard-{i}.jsonl": b'{"caption": "x"}\n' for i in range(3)}
+    bucket.publish("jobs/captions/run-1", manifest, files=files)
     return TransitRef(uri=bucket.uri("jobs/captions/run-1"), manifest=manifest)
 
 

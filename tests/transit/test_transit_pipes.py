@@ -8,7 +8,7 @@ import dagster as dg
 import pytest
 from transit_helpers import TEST_KEY_ID, TEST_REGION, TEST_SECRET, raw_client
 
-from gpudoor_pipelines.transit.bucket import PIPES_PREFIX
+from gpudoor_pipelines.transit.pipes import PIPES_PREFIX, pipes_context_injector, pipes_message_reader
 from gpudoor_pipelines.transit.resource import TransitBucketResource
 
 # the "job": a plain python process with dagster_pipes and boto3, configured only by its env
@@ -54,8 +54,8 @@ def test_pipes_round_trip_through_the_bucket(pipes_transit: TransitBucketResourc
         bucket = transit.get_bucket()
         with dg.open_pipes_session(
             context=context,
-            context_injector=bucket.pipes_context_injector(),
-            message_reader=bucket.pipes_message_reader(),
+            context_injector=pipes_context_injector(bucket),
+            message_reader=pipes_message_reader(bucket),
             extras={"greeting": "hello"},
         ) as session:
             clean = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "DAGSTER_PIPES"))}

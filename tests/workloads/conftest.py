@@ -18,6 +18,7 @@ from workload_helpers import (
     MAX_STEPS,
     PATIENCE_S,
     caption_files,
+    exists,
     free_port,
     kill_leftovers,
     run_under_pipes,
@@ -26,7 +27,7 @@ from workload_helpers import (
     wait_for,
 )
 
-from workloads import storage
+from gpudoor_pipelines.transit import bucket as storage
 from workloads.synthetic import generate_image, image_id
 
 NUM_IMAGES = 100
@@ -73,7 +74,7 @@ def caption_runs(bucket: str, shard: tuple[str, dict], tmp_path_factory: pytest.
     first.send_signal(signal.SIGKILL)  # a preemption: no chance to clean up
     first.wait(timeout=PATIENCE_S)
     done_before = len(caption_files(output))
-    had_manifest = storage.exists(storage.join(output, storage.MANIFEST_NAME))
+    had_manifest = exists(storage.join(output, storage.MANIFEST_NAME))
     result, rerun = run_under_pipes("caption", env)
     return {
         "output": output,
@@ -132,12 +133,10 @@ def train_runs(bucket: str, dataset: str, tmp_path_factory: pytest.TempPathFacto
     smoke = start_workload("train", logs / "smoke.log", **smoke_env)
     first = start_workload("train", logs / "first.log", **dict(env, WORKLOAD_THROTTLE_S="0.1"))
     first_manifest = storage.join(output, f"step-{CHECKPOINT_EVERY:06d}", storage.MANIFEST_NAME)
-    wait_for(lambda: storage.exists(first_manifest), first, "the first checkpoint", logs / "first.log")
+    wait_for(lambda: exists(first_manifest), first, "the first checkpoint", logs / "first.log")
     first.send_signal(signal.SIGKILL)
     first.wait(timeout=PATIENCE_S)
-    killed_before_end = not storage.exists(
-        storage.join(output, f"step-{MAX_STEPS:06d}", storage.MANIFEST_NAME)
-    )
+    killed_before_end = not exists(storage.join(output, f"step-{MAX_STEPS:06d}", storage.MANIFEST_NAME))
     smoke_rc = smoke.wait(timeout=PATIENCE_S)
 
     two_node_env = dict(

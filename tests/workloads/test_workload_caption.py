@@ -8,7 +8,7 @@ import re
 
 from workload_helpers import caption_files, run_workload
 
-from workloads import storage
+from gpudoor_pipelines.transit import bucket as storage
 
 
 def _path(uri: str) -> str:

@@ -13,7 +13,7 @@ from subprocess import Popen
 import pytest
 from workload_helpers import PATIENCE_S, free_port, run_under_pipes, start_workload, wait_for
 
-from workloads import storage
+from gpudoor_pipelines.transit import bucket as storage
 from workloads.synthetic import COLORS, SHAPES
 
 

@@ -7,7 +7,7 @@ import re
 
 from workload_helpers import CHECKPOINT_EVERY, MAX_STEPS, run_workload
 
-from workloads import storage
+from gpudoor_pipelines.transit import bucket as storage
 
 
 def _manifest(output: str, step: int) -> dict:

@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 
 import pytest
+from workload_helpers import exists
 
-from workloads import storage
+from gpudoor_pipelines.transit import bucket as storage
 from workloads.synthetic import COLORS, SHAPES, generate_image, image_id, is_heldout
 
 
@@ -18,12 +19,12 @@ def test_file_storage_round_trip(tmp_path):
     root = "file://" + str(tmp_path)
     uri = storage.join(root + "/", "/a/", "b", "c.json")
     assert uri == root + "/a/b/c.json"
-    assert not storage.exists(uri)
+    assert not exists(uri)
     storage.write_bytes(uri, b"one")
     storage.write_bytes(uri, b"two")  # overwrite in place
     storage.write_bytes(storage.join(root, "a", "z.bin"), b"z")
     assert storage.read_bytes(uri) == b"two"
-    assert storage.exists(uri)
+    assert exists(uri)
     assert storage.list_uris(storage.join(root, "a")) == [root + "/a/b/c.json", root + "/a/z.bin"]
     assert storage.list_uris(storage.join(root, "missing")) == []
     assert not [name for name in os.listdir(tmp_path / "a" / "b") if name.startswith(".tmp-")]
@@ -42,7 +43,9 @@ def test_s3_storage_round_trip(monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    storage._s3.cache_clear()
+    # the buckets, and the boto3 session their clients come from, must be made under the mock
+    storage._bucket_for.cache_clear()
+    storage._session.cache_clear()
     try:
         with moto.mock_aws():
             boto3.client("s3").create_bucket(Bucket="transit")
@@ -50,8 +53,8 @@ def test_s3_storage_round_trip(monkeypatch):
             storage.write_bytes("s3://transit/run/a.bin", b"a")
             storage.write_bytes("s3://transit/runner/x", b"not under run/")
             assert storage.read_bytes("s3://transit/run/a.bin") == b"a"
-            assert storage.exists("s3://transit/run/b/c.json")
-            assert not storage.exists("s3://transit/run/nope")
+            assert exists("s3://transit/run/b/c.json")
+            assert not exists("s3://transit/run/nope")
             assert storage.list_uris("s3://transit/run") == [
                 "s3://transit/run/a.bin",
                 "s3://transit/run/b/c.json",
@@ -59,7 +62,8 @@ def test_s3_storage_round_trip(monkeypatch):
             with pytest.raises(FileNotFoundError):
                 storage.read_bytes("s3://transit/run/nope")
     finally:
-        storage._s3.cache_clear()  # the cached client belongs to the mock
+        storage._bucket_for.cache_clear()  # the cached clients belong to the mock
+        storage._session.cache_clear()
 
 
 def test_generate_image_is_deterministic_and_varied():

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from workloads import storage
+from gpudoor_pipelines.transit import bucket as storage
 
 ROOT = Path(__file__).resolve().parents[2]
 # Upper bound for any one wait: generous, because a loaded CI runner can be many times slower.
@@ -86,6 +86,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def exists(uri: str) -> bool:
+    """Whether an object is stored at ``uri`` (through the workloads' own storage layer)."""
+    bucket, key = storage.bucket_for_uri(uri)
+    return bucket.exists(key)
 
 
 def caption_files(output_uri: str) -> list[str]:

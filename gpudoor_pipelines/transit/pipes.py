@@ -1,0 +1,87 @@
+"""Dagster Pipes through the transit bucket: a job's context goes in, and its messages come out, there.
+
+Local buckets use Dagster's temp files; on S3 both live under ``<root>/_pipes/`` until the session ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import secrets
+from typing import Any
+
+import dagster as dg
+
+from .bucket import S3TransitBucket, TransitBucket
+
+logger = logging.getLogger(__name__)
+
+PIPES_PREFIX = "_pipes"
+"""Folder under the bucket root holding Pipes context and message objects while a session lives."""
+
+
+def pipes_context_injector(bucket: TransitBucket) -> dg.PipesContextInjector:
+    """A Pipes context injector through ``bucket`` (S3: ``<root>/_pipes/context/<random>/context.json``)."""
+    if not isinstance(bucket, S3TransitBucket):
+        return dg.PipesTempFileContextInjector()
+    prefix = bucket._full(f"{PIPES_PREFIX}/context/")
+    return _s3_classes()[0](bucket=bucket.bucket, client=bucket.client, key_prefix=prefix)
+
+
+def pipes_message_reader(bucket: TransitBucket, interval: float = 5.0) -> dg.PipesMessageReader:
+    """A Pipes message reader through ``bucket`` (S3: ``<root>/_pipes/messages/<random>/<n>.json``,
+    polled every ``interval`` seconds)."""
+    if not isinstance(bucket, S3TransitBucket):
+        return dg.PipesTempFileMessageReader()
+    prefix = bucket._full(f"{PIPES_PREFIX}/messages/")
+    return _s3_classes()[1](bucket=bucket.bucket, client=bucket.client, key_root=prefix, interval=interval)
+
+
+@functools.cache
+def _s3_classes() -> tuple[type, type]:  # on first use: importing dagster_aws costs seconds
+    from dagster_aws.pipes import PipesS3ContextInjector, PipesS3MessageReader
+    from dagster_pipes import PipesBlobStoreMessageWriter
+
+    class TransitPipesS3ContextInjector(PipesS3ContextInjector):
+        """Deletes the context object however the session ends (the stock one: only on success)."""
+
+        @contextlib.contextmanager
+        def inject_context(self, context: Any):
+            key = f"{self.key_prefix}{secrets.token_hex(12)}/context.json"
+            self.client.put_object(Body=json.dumps(context).encode(), Bucket=self.bucket, Key=key)
+            try:
+                yield {"bucket": self.bucket, "key": key}
+            finally:
+                _delete_under(self.client, self.bucket, key)
+
+    class TransitPipesS3MessageReader(PipesS3MessageReader):
+        """Under the transit root, and deleted afterwards (dagster-aws 0.29's: at the bucket root, kept)."""
+
+        def __init__(self, *, key_root: str, **kwargs: Any):
+            super().__init__(include_stdio_in_messages=False, **kwargs)
+            self.key_root = key_root
+
+        @contextlib.contextmanager
+        def get_params(self):
+            prefix = f"{self.key_root}{secrets.token_hex(12)}"
+            try:
+                yield {
+                    "bucket": self.bucket,
+                    "key_prefix": prefix,
+                    PipesBlobStoreMessageWriter.INCLUDE_STDIO_IN_MESSAGES_KEY: self.include_stdio_in_messages,
+                }
+            finally:  # read_messages() has joined its reader threads by now
+                _delete_under(self.client, self.bucket, prefix + "/")
+
+    return TransitPipesS3ContextInjector, TransitPipesS3MessageReader
+
+
+def _delete_under(client: Any, bucket: str, prefix: str) -> None:
+    try:
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            if objs := [{"Key": o["Key"]} for o in page.get("Contents", ())]:
+                client.delete_objects(Bucket=bucket, Delete={"Objects": objs, "Quiet": True})
+    except Exception as e:  # cleanup must never mask the run's own outcome
+        logger.warning("could not delete pipes objects under s3://%s/%s: %s", bucket, prefix, e)
