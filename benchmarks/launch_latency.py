@@ -2,7 +2,7 @@
 
 Runs on the Slurm test bed (``bash testbed/up.sh`` first, as root; ``source testbed/.state/env``).
 In one process: a bare ``sky.jobs.launch`` of a tiny task, then the same task materialized
-through ``SkyPilotResource`` (spec checks, routing, fleet rules, Pipes session, submission),
+through ``PipesSkyPilotClient`` (spec checks, routing, fleet rules, Pipes session, submission),
 timed from the asset's first line to "Submitted job". Both jobs are cancelled right after
 submission. Prints both times and the ratio.
 
@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 
 from gpudoor_pipelines.launch import sky_env  # noqa: E402
 from gpudoor_pipelines.launch.backends import local as _local  # noqa: E402,F401
-from gpudoor_pipelines.launch.resource import SkyPilotResource  # noqa: E402
+from gpudoor_pipelines.launch.client import PipesSkyPilotClient  # noqa: E402
 from gpudoor_pipelines.transit.resource import TransitBucketResource  # noqa: E402
 
 RUN = "sleep 300"
@@ -50,7 +50,7 @@ def through_resource(endpoint: str, specs: Path, transit_root: Path) -> float:
     marks: dict[str, float] = {}
 
     @dg.asset
-    def bench(context: dg.AssetExecutionContext, skypilot: SkyPilotResource) -> None:
+    def bench(context: dg.AssetExecutionContext, skypilot: PipesSkyPilotClient) -> None:
         marks["start"] = time.perf_counter()
         backend = skypilot.get_backend()
         submit = backend.submit
@@ -64,19 +64,19 @@ def through_resource(endpoint: str, specs: Path, transit_root: Path) -> float:
         backend.submit = timed_submit
         skypilot.__class__.get_backend = lambda self: backend  # the timed backend for this launch
         try:
-            skypilot.launch(context, "caption")
+            skypilot.run(context=context, request=skypilot.request(context, "caption"))
         except dg.Failure:
             pass  # The job was cancelled on purpose.
 
-    resource = SkyPilotResource(
+    resource = PipesSkyPilotClient(
         backend="skypilot", api_server_endpoint=endpoint, fleet_file=str(REPO / "testbed" / "fleet.yaml"),
         specs_dir=str(specs), transit=TransitBucketResource(local_root=str(transit_root)), poll_interval_s=1.0,
     )  # fmt: skip
-    original = SkyPilotResource.get_backend
+    original = PipesSkyPilotClient.get_backend
     try:
         dg.materialize([bench], resources={"skypilot": resource}, raise_on_error=False)
     finally:
-        SkyPilotResource.get_backend = original
+        PipesSkyPilotClient.get_backend = original
     return marks["submitted"] - marks["start"]
 
 

@@ -81,17 +81,15 @@ def _cmd_where(args: argparse.Namespace) -> int:
 def _cmd_check(args: argparse.Namespace) -> int:
     from gpudoor_pipelines.launch.fleet import DEFAULT_SPECS_DIR, load_fleet
     from gpudoor_pipelines.launch.routing import route
-    from gpudoor_pipelines.launch.specs import load_spec, validate_with_skypilot
+    from gpudoor_pipelines.launch.specs import load_spec
 
     specs_dir = Path(args.specs_dir) if args.specs_dir else DEFAULT_SPECS_DIR
     fleet = load_fleet(specs_dir / "fleet.yaml")
     for path in sorted(specs_dir.glob("*.yaml")):
         if path.name == "fleet.yaml":
             continue
-        spec = load_spec(path)
-        validate_with_skypilot(spec.config, spec.path)
-        r = route(spec, fleet)
-        print(f"ok  {path.name:12s} → {r.pool.name} ({r.infra}, {r.accelerators} x{spec.num_nodes})")
+        r = route(load_spec(path, skypilot=True), fleet)
+        print(f"ok  {path.name:12s} → {r.pool.name} ({r.infra}, {r.describe()})")
     return 0
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from gpudoor_pipelines.launch.resource import LaunchConfig, SkyPilotResource
+from gpudoor_pipelines.launch.client import PipesSkyPilotClient
+from gpudoor_pipelines.launch.request import LaunchRequest, resolve
 from gpudoor_pipelines.transit.resource import bucket_from_env
 
 
@@ -17,59 +18,61 @@ def explain(
     cost_owner: str | None = None,
     as_json: bool = False,
 ) -> str:
-    """Resolves ``spec`` as a launch would, without launching, and describes the result.
+    """Resolves ``spec`` exactly as a launch would (the same :func:`resolve`), without launching.
 
     Secret values are never shown, only their names.
 
     Raises:
         LaunchConfigError: the same errors a launch would raise, before anything runs.
     """
-    resource = SkyPilotResource(transit=bucket_from_env(), cost_owner=cost_owner)
-    tags = {}
-    loaded, chosen, decision = resource.resolve(
-        spec,
-        launch_config=LaunchConfig(pool=pool, infra=infra),
-        tags=tags,
+    client = PipesSkyPilotClient(transit=bucket_from_env(), cost_owner=cost_owner)
+    bucket = client.transit.get_bucket()
+    request = LaunchRequest(
+        spec=client.get_spec(spec),
+        inputs=bucket.job_env(),
+        secrets=bucket.job_secrets(),
+        pool=pool,
+        infra=infra,
+        cost_owner=client.cost_owner,
+        user=client.launching_user(),
         asset="(gpudoor where)",
         step=step,
     )
-    envs = decision.config.get("envs", {})
+    job = resolve(request, client.get_fleet())
+    route = job.route
+    assert route is not None
+    envs = job.config.get("envs", {})
     info = {
-        "spec": loaded.path,
-        "step": step or loaded.kind,
-        "pool": chosen.pool.name,
-        "infra": chosen.infra,
-        "accelerators": chosen.accelerators,
-        "num_nodes": loaded.num_nodes,
-        "decided_by": chosen.reason,
-        "passed_over": list(chosen.skipped),
-        "injected_env": decision.injected_env,
-        "task_env": {k: v for k, v in envs.items() if k not in decision.injected_env},
-        "secrets": {name: "****" for name in decision.secret_names},
-        "labels": decision.labels,
-        "policy": list(decision.notes),
-        "usd_per_hour_estimate": round(
-            chosen.gpus_per_node * loaded.num_nodes * chosen.pool.usd_per_gpu_hour, 4
-        ),
+        "spec": request.spec.path,
+        "step": step or request.spec.kind,
+        "pool": route.pool.name,
+        "infra": route.infra,
+        "accelerators": route.accelerators,
+        "vcpus": route.vcpus_per_node or None,
+        "num_nodes": route.num_nodes,
+        "decided_by": route.reason,
+        "passed_over": list(route.skipped),
+        "injected_env": job.pool_env,
+        "task_env": {k: v for k, v in envs.items() if k not in job.pool_env},
+        "secrets": {name: "****" for name in job.secret_names},
+        "labels": job.labels,
+        "policy": list(job.notes),
+        "usd_per_hour_estimate": round(route.usd_per_hour, 4),
     }
     if as_json:
         return json.dumps(info, indent=2)
     lines = [
-        f"{loaded.path}",
-        f"  pool        : {info['pool']}  ({chosen.pool.description})"
-        if chosen.pool.description
-        else f"  pool        : {info['pool']}",
+        f"{request.spec.path}",
+        f"  pool        : {info['pool']}" + (f"  ({route.pool.description})" if route.pool.description else ""),
         f"  infra       : {info['infra']}",
-        f"  GPUs        : {info['accelerators']} x {info['num_nodes']} node(s)  ~${info['usd_per_hour_estimate']}/h",
+        f"  {'GPUs' if route.accelerator else 'CPUs'}        : {route.describe()}  ~${info['usd_per_hour_estimate']}/h",
         f"  decided by  : {info['decided_by']}",
     ]
-    for skipped in chosen.skipped:
-        lines.append(f"  passed over : {skipped}")
+    lines += [f"  passed over : {skipped}" for skipped in route.skipped]
     lines.append("  injected env:")
-    lines += [f"    {k}={v}" for k, v in sorted(decision.injected_env.items())]
+    lines += [f"    {k}={v}" for k, v in sorted(job.pool_env.items())]
     if info["secrets"]:
         lines.append("  secrets     : " + ", ".join(f"{k}=****" for k in sorted(info["secrets"])))
-    lines.append("  labels      : " + ", ".join(f"{k}={v}" for k, v in sorted(decision.labels.items())))
-    for note in decision.notes:
-        lines.append(f"  policy      : {note}")
+    lines.append("  labels      : " + ", ".join(f"{k}={v}" for k, v in sorted(job.labels.items())))
+    lines += [f"  policy      : {note}" for note in job.notes]
     return "\n".join(lines)

@@ -21,7 +21,7 @@ from typing import Any
 
 import dagster as dg
 
-from gpudoor_pipelines.launch.resource import SkyPilotResource
+from gpudoor_pipelines.launch.client import PipesSkyPilotClient
 from gpudoor_pipelines.transit.io_manager import TransitIOManager
 from gpudoor_pipelines.transit.resource import bucket_from_env
 
@@ -47,6 +47,6 @@ def build_resources() -> dict[str, Any]:
             skypilot_kwargs[field] = value
     return {
         "transit": transit,
-        "skypilot": SkyPilotResource(**skypilot_kwargs),
+        "skypilot": PipesSkyPilotClient(**skypilot_kwargs),
         "io_manager": TransitIOManager(transit=transit),
     }

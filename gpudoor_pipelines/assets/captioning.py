@@ -1,9 +1,6 @@
 """Captioning: a dataset split into shards, each shard captioned by a GPU job, then merged."""
 
-import io
 import json
-import tempfile
-from pathlib import Path
 
 import dagster as dg
 import pandas as pd
@@ -12,7 +9,8 @@ from pydantic import Field
 from gpudoor_pipelines.assets.common import require_published
 from gpudoor_pipelines.assets.partitions import NUM_SHARDS, SHARD_KEYS, shard_partitions
 from gpudoor_pipelines.concurrency import STEP_POOLS
-from gpudoor_pipelines.launch.resource import LaunchConfig, SkyPilotResource
+from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
+from gpudoor_pipelines.transit.bucket import MANIFEST_NAME
 from gpudoor_pipelines.transit.io_manager import TransitRef
 from gpudoor_pipelines.transit.resource import TransitBucketResource
 
@@ -51,17 +49,12 @@ def dataset_shards(
         )
     bucket = transit.get_bucket()
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for s, shard in enumerate(SHARD_KEYS):
-            folder = Path(tmp) / shard / "images"
-            folder.mkdir(parents=True)
-            ids = [image_id(i) for i in range(s, config.num_images, NUM_SHARDS)]
-            for i in range(s, config.num_images, NUM_SHARDS):
-                png, _, _ = generate_image(i, size=config.image_size)
-                (folder / f"{image_id(i)}.png").write_bytes(png)
-            bucket.upload_dir(str(folder), f"{shard_prefix(shard)}/images")
-            bucket.publish_manifest(shard_prefix(shard), {"shard": shard, "images": ids, "count": len(ids)})
-            rows.append({"shard": shard, "uri": bucket.uri(shard_prefix(shard)), "num_images": len(ids)})
+    for s, shard in enumerate(SHARD_KEYS):
+        numbers = range(s, config.num_images, NUM_SHARDS)
+        ids = [image_id(i) for i in numbers]
+        files = {f"images/{image_id(i)}.png": generate_image(i, size=config.image_size)[0] for i in numbers}
+        bucket.publish(shard_prefix(shard), {"shard": shard, "images": ids, "count": len(ids)}, files=files)
+        rows.append({"shard": shard, "uri": bucket.uri(shard_prefix(shard)), "num_images": len(ids)})
     context.add_output_metadata({"num_images": config.num_images, "num_shards": NUM_SHARDS})
     return pd.DataFrame(rows)
 
@@ -79,36 +72,33 @@ class CaptionConfig(LaunchConfig):
 def caption_shards(
     context: dg.AssetExecutionContext,
     config: CaptionConfig,
-    skypilot: SkyPilotResource,
+    skypilot: PipesSkyPilotClient,
     transit: TransitBucketResource,
     dataset_shards: pd.DataFrame,
-) -> dg.Output[TransitRef]:
+) -> dg.MaterializeResult[TransitRef]:
     """One caption per image of a shard, written by a GPU job on on-prem or idle inference GPUs.
 
     The job writes straight into the bucket, one object per image; relaunched after a preemption it
     skips the images already captioned.
     """
-    shard = context.partition_key
+    request = skypilot.request(context, "caption", config=config)
+    shard = request.partition or ""
     if shard not in set(dataset_shards["shard"]):
         raise dg.Failure(
             description=f"dataset_shards has no shard '{shard}'. Fix: re-materialize dataset_shards."
         )
     bucket = transit.get_bucket()
     require_published(bucket, shard_prefix(shard), "dataset_shards")
-    spec = skypilot.get_spec("caption")
-    model = config.env.get("CAPTION_MODEL") or spec.envs.get("CAPTION_MODEL", "default")
-    out_prefix = captions_prefix(model, shard)
-    result = skypilot.launch(
-        context,
-        "caption",
-        inputs={"SHARD_URI": bucket.uri(shard_prefix(shard)), "OUTPUT_URI": bucket.uri(out_prefix)},
-        launch_config=config,
+    out_prefix = captions_prefix(request.env_value("CAPTION_MODEL") or "default", shard)
+    done = skypilot.run(
+        context=context,
+        request=request.with_inputs(SHARD_URI=bucket.uri(shard_prefix(shard)), OUTPUT_URI=bucket.uri(out_prefix)),
     )
-    manifest = require_published(bucket, out_prefix, f"the caption job {result.job_id}")
-    result.metadata["captions_uri"] = dg.MetadataValue.path(bucket.uri(out_prefix))
-    result.metadata.setdefault("images_total", manifest.get("count"))
-    # A Pipes session makes the event stream typed: the output must be an explicit Output.
-    return dg.Output(TransitRef(uri=bucket.uri(out_prefix), manifest=manifest), metadata=result.metadata)
+    manifest = require_published(bucket, out_prefix, f"the caption job {done.record.job_id}")
+    return done.get_materialize_result(
+        value=TransitRef(uri=bucket.uri(out_prefix), manifest=manifest),
+        metadata={"captions_uri": dg.MetadataValue.path(bucket.uri(out_prefix)), "images_total": manifest.get("count")},
+    )
 
 
 @dg.asset(group_name="captioning", kinds={"pandas", "parquet"})
@@ -126,7 +116,7 @@ def captioned_dataset(
     for shard, ref in sorted(caption_shards.items()):
         prefix = bucket.key_of(ref.uri)
         for key in bucket.list_keys(prefix + "/"):
-            if key.endswith(".json") and not key.endswith("_manifest.json"):
+            if key.endswith(".json") and not key.endswith(MANIFEST_NAME):
                 record = json.loads(bucket.get_bytes(key))
                 rows.append(
                     {
@@ -138,11 +128,8 @@ def captioned_dataset(
                 )
     df = pd.DataFrame(rows).sort_values("image_id").reset_index(drop=True)
     prefix = f"datasets/{DATASET_NAME}/captioned"
-    buf = io.BytesIO()
-    df.to_parquet(buf, index=False)
-    bucket.put_bytes(f"{prefix}/data.parquet", buf.getvalue())
     manifest = {"rows": len(df), "file": "data.parquet", "shards": sorted(caption_shards)}
-    bucket.publish_manifest(prefix, manifest)
+    bucket.publish(prefix, manifest, files={"data.parquet": df.to_parquet(index=False)})
     context.add_output_metadata(
         {
             "rows": len(df),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-from gpudoor_pipelines.transit.bucket import TransitBucket
+from gpudoor_pipelines.transit.bucket import MANIFEST_NAME, TransitBucket
 
 
 def require_published(bucket: TransitBucket, prefix: str, upstream: str) -> dict:
@@ -20,7 +20,7 @@ def require_published(bucket: TransitBucket, prefix: str, upstream: str) -> dict
         raise dg.Failure(
             description=(
                 f"Missing upstream output: {upstream} has nothing published at {bucket.uri(prefix)} "
-                f"(no _manifest.json). Fix: materialize {upstream} first."
+                f"(no {MANIFEST_NAME}). Fix: materialize {upstream} first."
             )
         )
     return manifest

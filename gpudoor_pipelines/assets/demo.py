@@ -4,7 +4,7 @@ import dagster as dg
 from pydantic import Field, field_validator
 
 from gpudoor_pipelines.concurrency import STEP_POOLS
-from gpudoor_pipelines.launch.resource import LaunchConfig, SkyPilotResource
+from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
 from gpudoor_pipelines.transit.io_manager import TransitRef
 
 DEFAULT_DEMO_CLUSTER = "lab-gpudoor-demo"
@@ -29,21 +29,20 @@ class DemoConfig(LaunchConfig):
 def demo(
     context: dg.AssetExecutionContext,
     config: DemoConfig,
-    skypilot: SkyPilotResource,
+    skypilot: PipesSkyPilotClient,
     best_checkpoint: TransitRef,
 ) -> dg.MaterializeResult:
     """The best checkpoint behind an HTTP endpoint, for the product team to try; re-materializing replaces it."""
-    service = skypilot.serve(
-        context,
-        "demo",
-        cluster_name=config.cluster_name,
-        inputs={"CHECKPOINT_URI": best_checkpoint.uri},
-        launch_config=config,
+    inputs = {"CHECKPOINT_URI": best_checkpoint.uri}
+    request = skypilot.request(context, "demo", inputs=inputs, config=config, cluster_name=config.cluster_name)
+    service = skypilot.serve(context=context, request=request)
+    return dg.MaterializeResult(
+        metadata={
+            **service.to_metadata(),
+            "checkpoint": best_checkpoint.manifest.get("checkpoint", best_checkpoint.uri),
+            "stop_with": f"gpudoor demo stop {config.cluster_name}",
+        }
     )
-    md = dict(service.metadata)
-    md["checkpoint"] = best_checkpoint.manifest.get("checkpoint", best_checkpoint.uri)
-    md["stop_with"] = f"gpudoor demo stop {config.cluster_name}"
-    return dg.MaterializeResult(metadata=md)
 
 
 class StopDemoConfig(dg.Config):
@@ -53,7 +52,7 @@ class StopDemoConfig(dg.Config):
 
 
 @dg.op
-def stop_demo(context: dg.OpExecutionContext, config: StopDemoConfig, skypilot: SkyPilotResource) -> None:
+def stop_demo(context: dg.OpExecutionContext, config: StopDemoConfig, skypilot: PipesSkyPilotClient) -> None:
     """Tears the demo's cluster down."""
     if skypilot.stop_service(config.cluster_name):
         context.log.info(f"Stopped {config.cluster_name}.")

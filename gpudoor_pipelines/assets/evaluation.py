@@ -9,7 +9,8 @@ from gpudoor_pipelines.assets.common import require_object
 from gpudoor_pipelines.assets.partitions import checkpoint_partitions, checkpoint_prefix
 from gpudoor_pipelines.assets.training import run_info_key, training_run
 from gpudoor_pipelines.concurrency import STEP_POOLS
-from gpudoor_pipelines.launch.resource import LaunchConfig, SkyPilotResource
+from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
+from gpudoor_pipelines.transit.bucket import MANIFEST_NAME
 from gpudoor_pipelines.transit.io_manager import TransitRef
 from gpudoor_pipelines.transit.resource import TransitBucketResource
 
@@ -40,13 +41,15 @@ def _chance(metrics: dict) -> float:
 def checkpoint_evals(
     context: dg.AssetExecutionContext,
     config: EvalConfig,
-    skypilot: SkyPilotResource,
+    skypilot: PipesSkyPilotClient,
     transit: TransitBucketResource,
-):
+):  # No return annotation: on an asset with checks Dagster reads one as a tuple of outputs.
     """Held-out accuracy of one checkpoint, measured by a GPU job on spare GPUs."""
     bucket = transit.get_bucket()
-    ckpt = checkpoint_prefix(context.partition_key)
-    require_object(bucket, f"{ckpt}/_manifest.json", "training_run (this checkpoint)")
+    request = skypilot.request(context, "eval", config=config)
+    checkpoint = request.partition or ""
+    ckpt = checkpoint_prefix(checkpoint)
+    require_object(bucket, f"{ckpt}/{MANIFEST_NAME}", "training_run (this checkpoint)")
     training_id = ckpt.split("/")[1]
     run_info = (
         json.loads(bucket.get_bytes(run_info_key(training_id)))
@@ -58,32 +61,20 @@ def checkpoint_evals(
         raise dg.Failure(
             description=f"No dataset recorded for training {training_id} at {bucket.uri(run_info_key(training_id))}. Fix: re-materialize training_run."
         )
-    out = f"{EVALS_PREFIX}/{context.partition_key}"
-    result = skypilot.launch(
-        context,
-        "eval",
-        inputs={
-            "CHECKPOINT_URI": bucket.uri(ckpt),
-            "DATASET_URI": dataset_uri,
-            "OUTPUT_URI": bucket.uri(out),
-        },
-        launch_config=config,
-    )
+    out = f"{EVALS_PREFIX}/{checkpoint}"
+    request = request.with_inputs(CHECKPOINT_URI=bucket.uri(ckpt), DATASET_URI=dataset_uri, OUTPUT_URI=bucket.uri(out))
+    done = skypilot.run(context=context, request=request)
     metrics = json.loads(bucket.get_bytes(f"{out}/metrics.json"))
-    md = dict(result.metadata)
-    md.update({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+    md = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
     md["checkpoint_uri"] = dg.MetadataValue.path(bucket.uri(ckpt))
-    row = pd.DataFrame([{"checkpoint": context.partition_key, "checkpoint_uri": bucket.uri(ckpt), **metrics}])
-    yield dg.Output(row, metadata=md)
-    reported = [c for c in result.check_results if c.check_name == ACCURACY_CHECK]
-    if reported:
-        yield from reported
-    else:  # The job did not report (e.g. re-attached to an earlier job): judge from its metrics file.
-        yield dg.AssetCheckResult(
-            check_name=ACCURACY_CHECK,
-            passed=float(metrics["accuracy"]) > _chance(metrics),
-            metadata={"accuracy": float(metrics["accuracy"])},
-        )
+    row = pd.DataFrame([{"checkpoint": checkpoint, "checkpoint_uri": bucket.uri(ckpt), **metrics}])
+    result = done.get_materialize_result(value=row, metadata=md)
+    if any(c.check_name == ACCURACY_CHECK for c in result.check_results or ()):
+        return result
+    # The job did not report (e.g. re-attached to an earlier job): judge from its metrics file.
+    accuracy = float(metrics["accuracy"])
+    check = dg.AssetCheckResult(check_name=ACCURACY_CHECK, passed=accuracy > _chance(metrics), metadata={"accuracy": accuracy})
+    return done.get_materialize_result(value=row, metadata=md, check_results=[check])
 
 
 @dg.asset(group_name="evaluation", deps=[checkpoint_evals], kinds={"python"})

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dagster as dg
 
+from gpudoor_pipelines.transit.bucket import MANIFEST_NAME
+
 NUM_SHARDS = 4
 SHARD_KEYS = [f"shard-{i:03d}" for i in range(NUM_SHARDS)]
 
@@ -11,7 +13,6 @@ shard_partitions = dg.StaticPartitionsDefinition(SHARD_KEYS)
 checkpoint_partitions = dg.DynamicPartitionsDefinition(name="checkpoints")
 
 CHECKPOINTS_PREFIX = "checkpoints"
-MANIFEST = "_manifest.json"
 
 
 def checkpoint_key(training_id: str, step_dir: str) -> str:
@@ -34,7 +35,7 @@ def checkpoint_from_manifest_key(key: str) -> str | None:
         len(parts) == 4
         and parts[0] == CHECKPOINTS_PREFIX
         and parts[2].startswith("step-")
-        and parts[3] == MANIFEST
+        and parts[3] == MANIFEST_NAME
     ):
         return checkpoint_key(parts[1], parts[2])
     return None

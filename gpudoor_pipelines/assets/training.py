@@ -13,7 +13,7 @@ from gpudoor_pipelines.assets.partitions import (
     checkpoint_partitions,
 )
 from gpudoor_pipelines.concurrency import STEP_POOLS
-from gpudoor_pipelines.launch.resource import LaunchConfig, SkyPilotResource
+from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
 from gpudoor_pipelines.transit.io_manager import TransitRef
 from gpudoor_pipelines.transit.resource import TransitBucketResource
 
@@ -57,10 +57,10 @@ def _training_id(context: dg.AssetExecutionContext, config: TrainConfig) -> str:
 def training_run(
     context: dg.AssetExecutionContext,
     config: TrainConfig,
-    skypilot: SkyPilotResource,
+    skypilot: PipesSkyPilotClient,
     transit: TransitBucketResource,
     captioned_dataset: TransitRef,
-) -> dg.Output[TransitRef]:
+) -> dg.MaterializeResult[TransitRef]:
     """A multi-node training run on the H200 InfiniBand cluster, checkpointing into the transit bucket.
 
     A ~60 s smoke test of the same code on the target GPU runs first; a long run never starts if it
@@ -81,23 +81,15 @@ def training_run(
     smoke_md: dict = {}
     if not config.skip_smoke_test:
         context.log.info("Smoke test on the target GPU before the long run.")
-        smoke = skypilot.launch(
-            context,
-            "smoke",
-            inputs={"DATASET_URI": dataset_uri, "OUTPUT_URI": bucket.uri(f"smoke/{training_id}")},
-            launch_config=overrides,
-        )
+        inputs = {"DATASET_URI": dataset_uri, "OUTPUT_URI": bucket.uri(f"smoke/{training_id}")}
+        smoke = skypilot.run(context=context, request=skypilot.request(context, "smoke", inputs=inputs, config=overrides))
         smoke_md = {
-            f"smoke_{k}": smoke.metadata[k]
-            for k in ("job_id", "pool", "running_s", "status", "gpu_hours", "cost_usd_estimate")
-            if k in smoke.metadata
+            f"smoke_{k}": v
+            for k, v in smoke.record.to_metadata().items()
+            if k in ("job_id", "pool", "running_s", "status", "gpu_hours", "cost_usd_estimate")
         }
-    result = skypilot.launch(
-        context,
-        "train",
-        inputs={"DATASET_URI": dataset_uri, "OUTPUT_URI": bucket.uri(prefix)},
-        launch_config=LaunchConfig(pool=config.pool, infra=config.infra, env=config.env),
-    )
+    inputs = {"DATASET_URI": dataset_uri, "OUTPUT_URI": bucket.uri(prefix)}
+    done = skypilot.run(context=context, request=skypilot.request(context, "train", inputs=inputs, config=config))
     checkpoints = sorted(
         k
         for k in (checkpoint_from_manifest_key(key) for key in bucket.list_keys(prefix + "/"))
@@ -105,7 +97,7 @@ def training_run(
     )
     if not checkpoints:
         raise dg.Failure(
-            description=f"Training job {result.job_id} ended without a checkpoint under {bucket.uri(prefix)}."
+            description=f"Training job {done.record.job_id} ended without a checkpoint under {bucket.uri(prefix)}."
         )
     new = [
         k for k in checkpoints if not context.instance.has_dynamic_partition(checkpoint_partitions.name, k)
@@ -116,16 +108,15 @@ def training_run(
         "training_id": training_id,
         "checkpoints": checkpoints,
         "dataset_uri": dataset_uri,
-        "job_id": result.job_id,
+        "job_id": done.record.job_id,
     }
-    bucket.publish_manifest(prefix, run_manifest)
-    md = dict(result.metadata)
-    md.update(smoke_md)
-    md.update(
-        {
+    bucket.publish(prefix, run_manifest)
+    return done.get_materialize_result(
+        value=TransitRef(uri=bucket.uri(prefix), manifest=run_manifest),
+        metadata={
+            **smoke_md,
             "training_id": training_id,
             "checkpoints": dg.MetadataValue.json(checkpoints),
             "checkpoints_uri": dg.MetadataValue.path(bucket.uri(prefix)),
-        }
+        },
     )
-    return dg.Output(TransitRef(uri=bucket.uri(prefix), manifest=run_manifest), metadata=md)

@@ -13,11 +13,11 @@ import dagster as dg
 
 from gpudoor_pipelines.assets.partitions import (
     CHECKPOINTS_PREFIX,
-    MANIFEST,
     checkpoint_from_manifest_key,
     checkpoint_partitions,
 )
 from gpudoor_pipelines.automation.jobs import eval_job
+from gpudoor_pipelines.transit.bucket import MANIFEST_NAME
 from gpudoor_pipelines.transit.resource import TransitBucketResource
 
 MAX_KEYS_PER_TICK = 5000
@@ -39,7 +39,7 @@ def scan_checkpoints(bucket, cursor: dict) -> tuple[list[str], dict]:
         if len(parts) < 3:
             return
         training = "/".join(parts[:2])
-        if len(parts) == 3 and parts[2] == MANIFEST:
+        if len(parts) == 3 and parts[2] == MANIFEST_NAME:
             active.pop(training, None)  # The training published its run manifest: it is over.
             return
         if training not in active or key > active[training]:
@@ -63,7 +63,7 @@ def scan_checkpoints(bucket, cursor: dict) -> tuple[list[str], dict]:
             break
     # A training whose run manifest already exists needs no further watching.
     for training in list(active):
-        if bucket.exists(f"{training}/{MANIFEST}"):
+        if bucket.exists(f"{training}/{MANIFEST_NAME}"):
             active.pop(training)
     return sorted(set(found)), {"after": after, "active": active}
 

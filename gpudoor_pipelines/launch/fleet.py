@@ -1,14 +1,18 @@
-"""The fleet file: the team's GPU pools and the routes from step kinds to pools."""
+"""The fleet file: the team's pools and the routes from step kinds to pools, as pydantic models.
+
+Pydantic parses and checks the file; :func:`parse_fleet` turns its errors into a
+:class:`LaunchConfigError` that names the file, the field and the fix.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import functools
 from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gpudoor_pipelines.launch.errors import LaunchConfigError
 
@@ -16,33 +20,33 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_SPECS_DIR = PROJECT_ROOT / "task_specs"
 DEFAULT_FLEET_FILE = DEFAULT_SPECS_DIR / "fleet.yaml"
 
-_POOL_FIELDS = {
-    "description",
-    "infra",
-    "gpus",
-    "gpu_cap",
-    "max_gpus_per_user",
-    "usd_per_gpu_hour",
-    "preemptible",
-    "priority_class",
-    "multi_node",
-    "env",
-    "autostop_idle_minutes",
-}
-_TOP_FIELDS = {"pools", "routes", "accelerator_routes", "cost_owners", "default_cost_owner"}
+_CLOUD_ALIASES = {"kubernetes": "k8s"}
 
 
-@dataclasses.dataclass(frozen=True)
-class Pool:
-    """One GPU pool SkyPilot can reach.
+def normalize_infra(infra: str) -> str:
+    """Canonical form of an infra string: SkyPilot writes ``k8s/ctx`` back as ``kubernetes/ctx``."""
+    head, sep, rest = infra.strip().strip("/").partition("/")
+    return _CLOUD_ALIASES.get(head.lower(), head.lower()) + sep + rest
+
+
+def did_you_mean(name: str, choices: Any) -> str:
+    """`` (did you mean 'x'?)`` when a close match exists, else ``""``."""
+    close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+class Pool(BaseModel):
+    """One pool SkyPilot can reach.
 
     Attributes:
         name: the pool's name in the fleet file.
         infra: SkyPilot infra string (``slurm/onprem``, ``k8s/inference-prod``, ``vast``).
-        gpus: GPU types the pool offers, as SkyPilot accelerator names.
+        gpus: GPU types the pool offers, as SkyPilot accelerator names, most preferred first.
         gpu_cap: most GPUs the pool lends the team at once.
-        max_gpus_per_user: most GPUs one user may hold on the pool at once.
+        max_gpus_per_user: most GPUs one user may hold on the pool at once (default: ``gpu_cap``).
         usd_per_gpu_hour: price used for cost estimates.
+        vcpu_cap: most vCPUs CPU-only jobs may hold on the pool at once (no cap when unset).
+        usd_per_vcpu_hour: price of a vCPU-hour for CPU-only jobs.
         preemptible: jobs may be evicted (managed jobs recover on their own).
         priority_class: Kubernetes priority class research jobs must use (production pools).
         multi_node: the pool has a fast interconnect for multi-node jobs.
@@ -50,60 +54,103 @@ class Pool:
         autostop_idle_minutes: autostop for interactive clusters (demos, dev sessions) on the pool.
     """
 
-    name: str
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = ""
+    description: str = ""
     infra: str
-    gpus: tuple[str, ...]
-    gpu_cap: int
-    max_gpus_per_user: int
-    usd_per_gpu_hour: float
+    gpus: tuple[str, ...] = ()
+    gpu_cap: int = Field(default=0, ge=0)
+    max_gpus_per_user: int | None = Field(default=None, ge=0)
+    usd_per_gpu_hour: float = Field(default=0.0, ge=0)
+    vcpu_cap: int | None = Field(default=None, ge=1)
+    usd_per_vcpu_hour: float = Field(default=0.0, ge=0)
     preemptible: bool = False
     priority_class: str | None = None
     multi_node: bool = False
-    env: dict[str, str] = dataclasses.field(default_factory=dict)
-    description: str = ""
-    autostop_idle_minutes: int = 60
+    env: dict[str, str] = Field(default_factory=dict)
+    autostop_idle_minutes: int = Field(default=60, ge=1)
+
+    @model_validator(mode="after")
+    def _gpus_need_a_cap(self) -> Pool:
+        if self.gpus and not self.gpu_cap:
+            raise _FieldError(f"pools.{self.name}.gpu_cap", "missing", f"say how many GPUs pool '{self.name}' lends at once")
+        return self
+
+    @property
+    def user_gpu_cap(self) -> int:
+        """GPUs one user may hold on the pool at once."""
+        return self.gpu_cap if self.max_gpus_per_user is None else self.max_gpus_per_user
 
     @property
     def is_kubernetes(self) -> bool:
         """Whether the pool is a Kubernetes cluster (pod settings apply)."""
-        return self.infra.split("/", 1)[0].lower() in {"k8s", "kubernetes"}
+        return normalize_infra(self.infra).startswith("k8s")
 
-    def offers(self, gpu: str) -> bool:
-        """Whether the pool has GPUs of this type (case-insensitive, like SkyPilot)."""
-        return gpu.lower() in {g.lower() for g in self.gpus}
+    def owns_infra(self, infra: str) -> bool:
+        """Whether ``infra`` is this pool's infra string or a part of it (``slurm/onprem/debug``)."""
+        wanted, mine = normalize_infra(infra), normalize_infra(self.infra)
+        return wanted == mine or wanted.startswith(mine + "/")
+
+    def gpu_named(self, gpu: str) -> str | None:
+        """The pool's own spelling of ``gpu`` (SkyPilot compares GPU names case-insensitively)."""
+        return next((g for g in self.gpus if g.lower() == gpu.lower()), None)
 
 
-@dataclasses.dataclass(frozen=True)
-class Fleet:
-    """All pools, and for each step kind the pools it may use, in order of preference."""
+class Fleet(BaseModel):
+    """All pools, the pools each step kind may use in order of preference, and who pays.
 
-    source: str
+    Attributes:
+        source: the file it was read from, for messages.
+        pools: pools by name.
+        routes: step kind → pools, most preferred first.
+        accelerator_routes: GPU type → pool, for steps without a route.
+        cpu_route: the pools that take CPU-only jobs, most preferred first (none when empty).
+        cost_owners: every job must carry one of these as its cost owner.
+        default_cost_owner: the cost owner of jobs that name none.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    source: str = "fleet.yaml"
     pools: dict[str, Pool]
-    routes: dict[str, tuple[str, ...]]
-    accelerator_routes: dict[str, str]
-    cost_owners: tuple[str, ...]
-    default_cost_owner: str
+    routes: dict[str, tuple[str, ...]] = Field(default_factory=dict)
+    accelerator_routes: dict[str, str] = Field(default_factory=dict)
+    cpu_route: tuple[str, ...] = ()
+    cost_owners: tuple[str, ...] = ()
+    default_cost_owner: str = ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_pools(cls, raw: Any) -> Any:
+        if isinstance(raw, dict) and isinstance(raw.get("pools"), dict):
+            pools = {n: {**b, "name": n} if isinstance(b, dict) else b for n, b in raw["pools"].items()}
+            raw = {**raw, "pools": pools}
+        return raw
+
+    @model_validator(mode="after")
+    def _check_references(self) -> Fleet:
+        where = [(f"routes.{s}[{i}]", p) for s, ps in self.routes.items() for i, p in enumerate(ps)]
+        where += [(f"accelerator_routes.{g}", p) for g, p in self.accelerator_routes.items()]
+        where += [(f"cpu_route[{i}]", p) for i, p in enumerate(self.cpu_route)]
+        for field, name in where:
+            if name not in self.pools:
+                raise _FieldError(field, f"unknown pool '{name}'", f"use one of {sorted(self.pools)}{did_you_mean(name, self.pools)}")
+        if not self.default_cost_owner and self.cost_owners:
+            object.__setattr__(self, "default_cost_owner", self.cost_owners[0])
+        if self.cost_owners and self.default_cost_owner not in self.cost_owners:
+            raise _FieldError("default_cost_owner", f"'{self.default_cost_owner}' is not in cost_owners", "add it to cost_owners")
+        return self
 
     def pool(self, name: str, *, field: str = "pool") -> Pool:
-        """Returns a pool by name, or a clear error naming the known pools."""
-        try:
-            return self.pools[name]
-        except KeyError:
-            raise LaunchConfigError(
-                self.source,
-                field,
-                f"unknown pool '{name}'",
-                f"use one of {sorted(self.pools)}{_did_you_mean(name, self.pools)}",
-            ) from None
+        """A pool by name, or a clear error naming the known pools."""
+        if name not in self.pools:
+            raise LaunchConfigError(self.source, field, f"unknown pool '{name}'", f"use one of {sorted(self.pools)}{did_you_mean(name, self.pools)}")
+        return self.pools[name]
 
     def pool_for_infra(self, infra: str) -> Pool | None:
         """The pool whose infra string is ``infra`` or a prefix of it (``slurm/onprem/part``)."""
-        wanted = normalize_infra(infra)
-        for pool in self.pools.values():
-            mine = normalize_infra(pool.infra)
-            if wanted == mine or wanted.startswith(mine + "/"):
-                return pool
-        return None
+        return next((pool for pool in self.pools.values() if pool.owns_infra(infra)), None)
 
     @property
     def all_gpus(self) -> set[str]:
@@ -111,139 +158,51 @@ class Fleet:
         return {g for p in self.pools.values() for g in p.gpus}
 
 
-_CLOUD_ALIASES = {"kubernetes": "k8s"}
+class _FieldError(ValueError):
+    """A cross-field problem found by a validator, carrying its own field path and fix."""
+
+    def __init__(self, field: str, problem: str, fix: str) -> None:
+        super().__init__(problem)
+        self.field, self.problem, self.fix = field, problem, fix
 
 
-def normalize_infra(infra: str) -> str:
-    """Canonical form of an infra string: SkyPilot writes ``k8s/ctx`` back as ``kubernetes/ctx``."""
-    head, sep, rest = infra.strip().strip("/").partition("/")
-    head = _CLOUD_ALIASES.get(head.lower(), head.lower())
-    return head + sep + rest
+def _field_path(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
 
 
-def _did_you_mean(name: str, choices: Any) -> str:
-    close = difflib.get_close_matches(name, list(choices), n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
-
-
-def _require(source: str, field: str, value: Any, kind: type | tuple[type, ...], fix: str) -> Any:
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise LaunchConfigError(source, field, f"expected {_kind_name(kind)}, got {value!r}", fix)
-    return value
-
-
-def _kind_name(kind: type | tuple[type, ...]) -> str:
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    return " or ".join(k.__name__ for k in kinds)
+def _known_fields(model: type[BaseModel]) -> list[str]:
+    return sorted(f for f in model.model_fields if f not in ("name", "source"))
 
 
 def parse_fleet(raw: Any, source: str) -> Fleet:
     """Validates a parsed fleet document.
 
-    Args:
-        raw: the YAML document.
-        source: file name used in error messages.
-
-    Returns:
-        The fleet.
-
     Raises:
-        LaunchConfigError: naming the field and the fix.
+        LaunchConfigError: naming the file, the field and the fix.
     """
-    _require(source, "(top level)", raw, dict, "the fleet file must be a mapping with 'pools' and 'routes'")
-    for key in raw:
-        if key not in _TOP_FIELDS:
-            raise LaunchConfigError(
-                source,
-                key,
-                "unknown field",
-                f"remove it; known fields: {sorted(_TOP_FIELDS)}{_did_you_mean(key, _TOP_FIELDS)}",
-            )
-    pools: dict[str, Pool] = {}
-    raw_pools = _require(source, "pools", raw.get("pools"), dict, "list the pools under 'pools:'")
-    for name, body in raw_pools.items():
-        where = f"pools.{name}"
-        _require(source, where, body, dict, "give the pool its fields (infra, gpus, gpu_cap, ...)")
-        for key in body:
-            if key not in _POOL_FIELDS:
-                raise LaunchConfigError(
-                    source,
-                    f"{where}.{key}",
-                    "unknown field",
-                    f"remove it; known fields: {sorted(_POOL_FIELDS)}{_did_you_mean(key, _POOL_FIELDS)}",
-                )
-        for required in ("infra", "gpus", "gpu_cap", "usd_per_gpu_hour"):
-            if required not in body:
-                raise LaunchConfigError(
-                    source, f"{where}.{required}", "missing", f"add '{required}' to pool '{name}'"
-                )
-        gpus = _require(source, f"{where}.gpus", body["gpus"], list, "a list of GPU types, e.g. [H100, L4]")
-        env = body.get("env") or {}
-        _require(source, f"{where}.env", env, dict, "a mapping of variable name to value")
-        gpu_cap = _require(source, f"{where}.gpu_cap", body["gpu_cap"], int, "a whole number of GPUs")
-        pools[name] = Pool(
-            name=name,
-            infra=_require(
-                source, f"{where}.infra", body["infra"], str, "a SkyPilot infra string, e.g. slurm/onprem"
-            ),
-            gpus=tuple(str(g) for g in gpus),
-            gpu_cap=gpu_cap,
-            max_gpus_per_user=int(body.get("max_gpus_per_user", gpu_cap)),
-            usd_per_gpu_hour=float(
-                _require(
-                    source,
-                    f"{where}.usd_per_gpu_hour",
-                    body["usd_per_gpu_hour"],
-                    (int, float),
-                    "a price, e.g. 2.1",
-                )
-            ),
-            preemptible=bool(body.get("preemptible", False)),
-            priority_class=body.get("priority_class"),
-            multi_node=bool(body.get("multi_node", False)),
-            env={str(k): str(v) for k, v in env.items()},
-            description=str(body.get("description", "")),
-            autostop_idle_minutes=int(body.get("autostop_idle_minutes", 60)),
-        )
-    routes: dict[str, tuple[str, ...]] = {}
-    for step, pool_names in _require(
-        source, "routes", raw.get("routes") or {}, dict, "map step kinds to lists of pools"
-    ).items():
-        _require(source, f"routes.{step}", pool_names, list, "a list of pool names, most preferred first")
-        for i, pool_name in enumerate(pool_names):
-            if pool_name not in pools:
-                raise LaunchConfigError(
-                    source,
-                    f"routes.{step}[{i}]",
-                    f"unknown pool '{pool_name}'",
-                    f"use one of {sorted(pools)}{_did_you_mean(pool_name, pools)}",
-                )
-        routes[step] = tuple(pool_names)
-    accel_routes = _require(
-        source, "accelerator_routes", raw.get("accelerator_routes") or {}, dict, "map GPU types to pools"
-    )
-    for gpu, pool_name in accel_routes.items():
-        if pool_name not in pools:
-            raise LaunchConfigError(
-                source,
-                f"accelerator_routes.{gpu}",
-                f"unknown pool '{pool_name}'",
-                f"use one of {sorted(pools)}",
-            )
-    owners = tuple(raw.get("cost_owners") or ())
-    default_owner = raw.get("default_cost_owner") or (owners[0] if owners else "")
-    if owners and default_owner not in owners:
-        raise LaunchConfigError(
-            source, "default_cost_owner", f"'{default_owner}' is not in cost_owners", "add it to cost_owners"
-        )
-    return Fleet(
-        source=source,
-        pools=pools,
-        routes=routes,
-        accelerator_routes={str(k): str(v) for k, v in accel_routes.items()},
-        cost_owners=owners,
-        default_cost_owner=str(default_owner),
-    )
+    if not isinstance(raw, dict):
+        raise LaunchConfigError(source, "(top level)", f"expected a mapping, got {raw!r}", "the fleet file must be a mapping with 'pools' and 'routes'")
+    try:
+        return Fleet.model_validate({**raw, "source": source})
+    except ValidationError as e:
+        err = e.errors()[0]
+        if isinstance(err.get("ctx", {}).get("error"), _FieldError):
+            fe = err["ctx"]["error"]
+            raise LaunchConfigError(source, fe.field, fe.problem, fe.fix) from None
+        loc = tuple(err["loc"])
+        field = _field_path(loc)
+        if err["type"] == "extra_forbidden":
+            model = Pool if loc[0] == "pools" else Fleet
+            known = _known_fields(model)
+            fix = f"remove it; known fields: {known}{did_you_mean(loc[-1], known)}"
+            raise LaunchConfigError(source, field, "unknown field", fix) from None
+        if err["type"] == "missing":
+            raise LaunchConfigError(source, field, "missing", f"add '{loc[-1]}'") from None
+        got = err.get("input")
+        raise LaunchConfigError(source, field, f"{err['msg'].lower()} (got {got!r})", "see the field list at the top of task_specs/fleet.yaml") from None
 
 
 @functools.lru_cache(maxsize=16)
@@ -264,7 +223,5 @@ def load_fleet(path: str | Path | None = None) -> Fleet:
     """
     p = Path(path) if path else DEFAULT_FLEET_FILE
     if not p.is_file():
-        raise LaunchConfigError(
-            str(p), "(file)", "expected fleet file does not exist", "create it or point fleet_file at it"
-        )
+        raise LaunchConfigError(str(p), "(file)", "expected fleet file does not exist", "create it or point fleet_file at it")
     return _load_fleet_cached(str(p.resolve()), p.stat().st_mtime)

@@ -1,19 +1,20 @@
-"""The fleet's SkyPilot admin policy: one policy that makes every cluster look the same.
+"""The fleet's SkyPilot admin policy: the same route and rules as the client, with the server's authority.
 
 Enable it on the API server (and on clients) with one line of SkyPilot config::
 
     admin_policy: gpudoor_pipelines.launch.policy.GpuDoorPolicy
 
-Every task launched through the server, by the Dagster pipeline, a person or an agent, is rewritten
-by :func:`gpudoor_pipelines.launch.rules.apply_fleet_rules` — the same rules the local backend
-applies on the client: per-pool env (cache dir, checkpoints dir, bucket prefix), transit
-credentials as secrets, labels (cost owner, Dagster run, asset, partition), the low priority
-class on production Kubernetes pools, autostop for interactive clusters, and the GPU caps. It
-refuses, with a message that says what to change: a missing or unknown cost owner, a GPU type the
-pool does not have, a request over a cap, a production pool without its low priority.
+Every task launched through the server, by the Dagster pipeline, a person or an agent, is routed by
+:func:`~gpudoor_pipelines.launch.routing.route` and rewritten by
+:func:`~gpudoor_pipelines.launch.rules.apply_rules`, exactly as the launcher does on the client:
+per-pool env, labels, the production pools' low priority class, autostop for interactive
+clusters, and the size checks; a refusal says what to change. Who launches what comes back out of
+the task's labels through :meth:`LaunchContext.from_labels`; nothing is rebuilt by hand. What only
+the server may do (inject its own transit credentials, trust its own user name) happens only when
+the policy does not run ``at_client_side``.
 
 The policy runs wherever ``sky`` runs (the API server), so this module imports ``sky`` at import
-time; nothing else in the package imports it.
+time; nothing else in the package imports it that way.
 """
 
 from __future__ import annotations
@@ -25,23 +26,18 @@ from gpudoor_pipelines.launch import sky_env
 
 sky_env.prepare()
 import sky  # noqa: E402
+from sky.server.requests.request_names import AdminPolicyRequestName  # noqa: E402
 
 from gpudoor_pipelines.launch.errors import LaunchConfigError  # noqa: E402
 from gpudoor_pipelines.launch.fleet import Fleet, load_fleet  # noqa: E402
 from gpudoor_pipelines.launch.routing import route  # noqa: E402
-from gpudoor_pipelines.launch.rules import (  # noqa: E402
-    LABEL_ASSET,
-    LABEL_COST_OWNER,
-    LABEL_PARTITION,
-    LABEL_RUN_ID,
-    LABEL_STEP,
-    LaunchContext,
-    apply_fleet_rules,
-)
-from gpudoor_pipelines.launch.specs import TaskSpec  # noqa: E402
+from gpudoor_pipelines.launch.rules import LABEL_POOL, Injected, LaunchContext, apply_rules  # noqa: E402
+from gpudoor_pipelines.launch.specs import TaskSpec, parse_accelerators  # noqa: E402
 
 #: Cluster-name prefixes of interactive clusters (demos, dev sessions): autostop applies.
 INTERACTIVE_PREFIXES = ("lab-", "dev-")
+#: Requests SkyPilot makes for its own controllers: not user jobs.
+CONTROLLER_REQUESTS = (AdminPolicyRequestName.JOBS_LAUNCH_CONTROLLER, AdminPolicyRequestName.SERVE_LAUNCH_CONTROLLER)
 #: Environment of the API server holding credentials injected into every job as secrets.
 SECRET_ENV_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 #: Non-secret transit settings copied from the API server's environment into every job.
@@ -51,109 +47,71 @@ _POLICY_ENV_PREFIX = "GPUDOOR_POLICY_"
 
 def _server_values(names: tuple[str, ...]) -> dict[str, str]:
     """``GPUDOOR_POLICY_<NAME>`` from the policy's environment, as ``<NAME>``."""
-    out = {}
-    for name in names:
-        value = os.environ.get(_POLICY_ENV_PREFIX + name)
-        if value:
-            out[name] = value
-    return out
+    return {name: os.environ[_POLICY_ENV_PREFIX + name] for name in names if os.environ.get(_POLICY_ENV_PREFIX + name)}
 
 
 def _infra_of(resources: dict[str, Any]) -> str | None:
     if resources.get("infra"):
         return str(resources["infra"])
     cloud = resources.get("cloud")
-    if cloud:
-        return "/".join(str(x) for x in (cloud, resources.get("region"), resources.get("zone")) if x)
-    return None
+    return "/".join(str(x) for x in (cloud, resources.get("region"), resources.get("zone")) if x) if cloud else None
 
 
-def _single_resources(config: dict[str, Any], source: str) -> dict[str, Any]:
-    """Folds SkyPilot's ``any_of`` candidates that differ only by GPU back into one accelerator set.
+def task_config(task: sky.Task, source: str) -> dict[str, Any]:
+    """A ``sky.Task`` as the YAML mapping a task file holds: the inverse of SkyPilot's own serialization.
 
-    ``accelerators: {L4: 1, H100: 1}`` serializes as ``any_of``; routing picks one of them.
+    SkyPilot writes ``accelerators: {L4: 1, H100: 1}`` back as ``any_of`` candidates and a task's
+    ``config:`` as ``resources._cluster_config_overrides``; both are folded back, so the rules see
+    one shape whether they run on a task file (client) or on a task SkyPilot rebuilt (server).
     """
+    config = task.to_yaml_config()
     resources = dict(config.get("resources") or {})
     if "ordered" in resources:
         raise LaunchConfigError(source, "resources.ordered", "ordered candidates are not routed", "list the GPUs under accelerators instead")
-    candidates = resources.pop("any_of", None)
+    candidates = [dict(c) for c in resources.pop("any_of", None) or ()]
     if candidates:
-        accelerators: dict[str, Any] = {}
-        rest: list[dict[str, Any]] = []
-        for cand in candidates:
-            cand = dict(cand)
-            accel = cand.pop("accelerators", None)
-            if isinstance(accel, dict):
-                accelerators.update(accel)
-            elif accel:
-                name, _, count = str(accel).partition(":")
-                accelerators[name] = int(count or 1)
-            rest.append(cand)
-        if any(r != rest[0] for r in rest):
-            raise LaunchConfigError(
-                source, "resources.any_of", "candidates differ in more than their GPU", "ask for one resource set; list GPU alternatives under accelerators"
-            )
-        resources.update(rest[0])
-        resources["accelerators"] = accelerators
+        accelerators = {g: n for c in candidates for g, n in parse_accelerators(c.pop("accelerators", None), source).items()}
+        if any(c != candidates[0] for c in candidates):
+            raise LaunchConfigError(source, "resources.any_of", "candidates differ in more than their GPU",
+                                    "ask for one resource set; list GPU alternatives under accelerators")  # fmt: skip
+        resources.update(candidates[0])
+        if accelerators:
+            resources["accelerators"] = accelerators
+    overrides = resources.pop("_cluster_config_overrides", None)
+    if overrides:
+        config["config"] = {**(config.get("config") or {}), **overrides}
     config["resources"] = resources
-    return resources
+    return config
 
 
 def mutate_config(
     config: dict[str, Any],
     fleet: Fleet,
     *,
-    request_name: str,
-    user: str | None,
-    cluster_name: str | None = None,
+    interactive: bool = False,
+    user: str | None = None,
+    at_client_side: bool = False,
     source: str = "(request)",
 ) -> dict[str, Any]:
-    """Applies the fleet rules to a task's YAML mapping, as the admin policy does.
+    """Routes a task's YAML mapping and applies the fleet rules, as the admin policy does.
 
-    Pure apart from reading the policy's credentials from the environment; used by the policy and
-    by tests.
+    Pure apart from reading the server's credentials from the environment (server side only).
 
     Raises:
-        LaunchConfigError: a rule refuses the request (the policy turns it into a rejection).
+        LaunchConfigError: routing or a rule refuses the request (the policy turns it into a rejection).
     """
-    resources = _single_resources(config, source)
-    labels = {str(k): str(v) for k, v in (resources.get("labels") or {}).items()}
+    resources = config.get("resources") or {}
+    ctx = LaunchContext.from_labels({str(k): str(v) for k, v in (resources.get("labels") or {}).items()},
+                                    user=user, interactive=interactive)  # fmt: skip
+    spec = TaskSpec(path=source, kind=ctx.step or str(config.get("name") or ""), config=config)
     infra = _infra_of(resources)
-    if infra:
-        pool = fleet.pool_for_infra(infra)
-        if pool is None:
-            raise LaunchConfigError(
-                source, "resources.infra", f"'{infra}' is not a pool of the fleet", f"use one of {[p.infra for p in fleet.pools.values()]}"
-            )
-        accelerators = None
-    else:
-        spec = TaskSpec(path=source, kind=labels.get(LABEL_STEP) or str(config.get("name") or ""), config=config)
-        chosen = route(spec, fleet, step=labels.get(LABEL_STEP))
-        pool, infra, accelerators = chosen.pool, chosen.infra, chosen.accelerators
-    interactive = request_name in ("sky.launch", "cluster launch") or bool(
-        cluster_name and cluster_name.startswith(INTERACTIVE_PREFIXES)
-    )
-    ctx = LaunchContext(
-        cost_owner=labels.get(LABEL_COST_OWNER),
-        user=user or labels.get("gpudoor-user") or "unknown",
-        run_id=labels.get(LABEL_RUN_ID),
-        asset=labels.get(LABEL_ASSET),
-        partition=labels.get(LABEL_PARTITION),
-        interactive=interactive,
-        step=labels.get(LABEL_STEP),
-    )
-    decision = apply_fleet_rules(
-        config,
-        pool,
-        fleet,
-        ctx,
-        infra=infra,
-        accelerators=accelerators,
-        secrets=_server_values(SECRET_ENV_VARS),
-        extra_env={k: v for k, v in _server_values(TRANSIT_ENV_VARS).items() if k not in (config.get("envs") or {})},
-        source=source,
-    )
-    return decision.config
+    # Two pools may share one cluster: the pool the client routed to, when it owns the infra, stays.
+    pool = fleet.pools.get(str(resources.get("labels", {}).get(LABEL_POOL, "")))
+    chosen = route(spec, fleet, step=ctx.step, infra=infra, pool=pool.name if pool and infra and pool.owns_infra(infra) else None, user=ctx.user)
+    injected = Injected()
+    if not at_client_side:  # only the server holds these; a client-side pass leaves them to it
+        injected = Injected(env=_server_values(TRANSIT_ENV_VARS), secrets=_server_values(SECRET_ENV_VARS), fill_only=True)
+    return apply_rules(config, chosen, ctx, fleet, injected, source=source).config
 
 
 class GpuDoorPolicy(sky.AdminPolicy):
@@ -165,23 +123,20 @@ class GpuDoorPolicy(sky.AdminPolicy):
     @classmethod
     def validate_and_mutate(cls, user_request: sky.UserRequest) -> sky.MutatedUserRequest:
         """Rewrites the task with the fleet rules, or rejects it saying what to change."""
-        request_name = str(getattr(user_request.request_name, "value", user_request.request_name))
-        # Requests SkyPilot makes for its own controllers are not user jobs.
-        if request_name.endswith("launch_controller"):
+        if user_request.request_name in CONTROLLER_REQUESTS:
             return sky.MutatedUserRequest(user_request.task, user_request.skypilot_config)
-        task = user_request.task
-        config = task.to_yaml_config()
-        options = user_request.request_options
-        user = getattr(user_request.user, "name", None) if user_request.user else None
+        task, options = user_request.task, user_request.request_options
+        cluster_name = getattr(options, "cluster_name", None) or ""
+        source = f"task '{task.name}'"
         try:
-            fleet = load_fleet(os.environ.get("GPUDOOR_FLEET_FILE"))
             mutated = mutate_config(
-                config,
-                fleet,
-                request_name=request_name,
-                user=user,
-                cluster_name=getattr(options, "cluster_name", None) if options else None,
-                source=f"task '{task.name}'",
+                task_config(task, source),
+                load_fleet(os.environ.get("GPUDOOR_FLEET_FILE")),
+                interactive=user_request.request_name == AdminPolicyRequestName.CLUSTER_LAUNCH
+                or cluster_name.startswith(INTERACTIVE_PREFIXES),
+                user=None if user_request.at_client_side or not user_request.user else user_request.user.name,
+                at_client_side=user_request.at_client_side,
+                source=source,
             )
         except LaunchConfigError as e:
             raise sky.exceptions.UserRequestRejectedByPolicy(str(e)) from None

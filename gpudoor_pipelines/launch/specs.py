@@ -79,6 +79,16 @@ class TaskSpec:
         return parse_accelerators(self.config.get("resources", {}).get("accelerators"), self.path)
 
     @property
+    def is_cpu_only(self) -> bool:
+        """A job that asks for no GPU (data prep, merges): routed to the fleet's CPU pools."""
+        return not self.accelerators
+
+    @property
+    def vcpus(self) -> int:
+        """The vCPUs each node asks for (the number in ``cpus: 8+``), for vCPU caps."""
+        return parse_cpus((self.config.get("resources") or {}).get("cpus"), self.path)
+
+    @property
     def ports(self) -> list[int]:
         """Ports the job serves on (demos)."""
         ports = (self.config.get("resources") or {}).get("ports")
@@ -125,6 +135,25 @@ def parse_accelerators(value: Any, source: str = "(spec)") -> dict[str, int]:
     return out
 
 
+#: vCPUs counted against a cap for a task that names none: SkyPilot's default is 2 to 8 by cloud
+#: (``_DEFAULT_NUM_VCPUS`` in ``sky/catalog``); counting the common largest never overshoots a cap.
+DEFAULT_VCPUS = 8
+
+
+def parse_cpus(value: Any, source: str = "(spec)") -> int:
+    """The least number of vCPUs SkyPilot's ``resources.cpus`` asks for: ``8``, ``"8"``, ``"8+"``."""
+    if value is None:
+        return DEFAULT_VCPUS
+    text = str(value).strip().rstrip("+")
+    try:
+        count = float(text)
+    except ValueError:
+        count = -1
+    if count <= 0:
+        raise LaunchConfigError(source, "resources.cpus", f"cannot read {value!r}", "write e.g. `cpus: 8+` or `cpus: 4`")
+    return max(1, int(count))
+
+
 def _split_accel(text: str) -> tuple[str, Any]:
     name, _, count = text.partition(":")
     return name.strip(), (count.strip() or 1)
@@ -167,10 +196,8 @@ def check_spec_config(config: Any, source: str, kind: str) -> None:
             raise LaunchConfigError(
                 source, f"resources.{key}", "pins the spec to one target", f"remove it: {why}"
             )
-    if not parse_accelerators(resources.get("accelerators"), source):
-        raise LaunchConfigError(
-            source, "resources.accelerators", "missing", "say which GPU the job needs, e.g. `L4:1`"
-        )
+    parse_accelerators(resources.get("accelerators"), source)
+    parse_cpus(resources.get("cpus"), source)
     num_nodes = config.get("num_nodes", 1)
     if not isinstance(num_nodes, int) or num_nodes < 1:
         raise LaunchConfigError(
@@ -235,25 +262,28 @@ def spec_path(name_or_path: str | Path, specs_dir: str | Path | None = None) -> 
 
 
 @functools.lru_cache(maxsize=64)
-def _load_cached(path: str, mtime: float, kind: str) -> TaskSpec:
+def _load_cached(path: str, mtime: float, kind: str, skypilot: bool) -> TaskSpec:
     with open(path) as f:
         try:
             raw = yaml.safe_load(f)
         except yaml.YAMLError as e:
             raise LaunchConfigError(path, "(yaml)", f"not valid YAML: {e}", "fix the YAML syntax") from None
     check_spec_config(raw, path, kind)
+    if skypilot:
+        validate_with_skypilot(raw, path)
     return TaskSpec(path=path, kind=kind, config=raw)
 
 
 def load_spec(
-    name_or_path: str | Path, specs_dir: str | Path | None = None, kind: str | None = None
+    name_or_path: str | Path, specs_dir: str | Path | None = None, kind: str | None = None, *, skypilot: bool = False
 ) -> TaskSpec:
-    """Loads a task spec and runs the project's checks (not SkyPilot's; see ``validate_with_skypilot``).
+    """Loads a task spec and checks it, once per file version (cached by path and modification time).
 
     Args:
         name_or_path: ``caption``, ``caption.yaml`` or a path.
         specs_dir: where named specs live (default ``task_specs/``).
         kind: the step kind; defaults to the file's stem.
+        skypilot: also parse it with SkyPilot's own ``sky.Task`` (imports ``sky``); launches do.
 
     Raises:
         LaunchConfigError: the file is missing or invalid.
@@ -263,4 +293,4 @@ def load_spec(
         raise LaunchConfigError(
             str(p), "(file)", "expected task spec does not exist", f"create {p.name} in {p.parent}"
         )
-    return _load_cached(str(p.resolve()), p.stat().st_mtime, kind or p.stem)
+    return _load_cached(str(p.resolve()), p.stat().st_mtime, kind or p.stem, skypilot)

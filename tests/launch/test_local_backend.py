@@ -129,14 +129,27 @@ def test_runner_that_dies_is_a_controller_failure(backend):
     assert _wait(backend, job_id) == JobState.FAILED_CONTROLLER
 
 
-def test_gpus_in_use_counts_running_jobs(backend):
+def test_usage_counts_running_jobs(backend):
     job_id = backend.submit(_job("sleep 300", num_nodes=2))
     deadline = time.time() + 20
     while backend.status(job_id).state not in (JobState.RUNNING,) and time.time() < deadline:
         time.sleep(0.1)
-    assert backend.gpus_in_use() == {"h200": 16}
+    assert backend.usage().gpus == {"h200": 16}
     backend.cancel(job_id)
-    assert backend.gpus_in_use() == {}
+    assert backend.usage().gpus == {}
+
+
+def test_usage_counts_cpu_jobs_in_vcpus_and_gpus_per_user(backend):
+    cpu = ResolvedJob(name="prep", config={"name": "prep", "resources": {"cpus": "6+"}, "num_nodes": 2, "run": "sleep 300"},
+                      workdir=str(PROJECT_ROOT), pool="ondemand")  # fmt: skip
+    gpu = ResolvedJob(name="mine", config={"name": "mine", "resources": {"accelerators": "L4:2", "labels": {"gpudoor-user": "ada"}}, "run": "sleep 300"},
+                      workdir=str(PROJECT_ROOT), pool="inference")  # fmt: skip
+    ids = [backend.submit(cpu), backend.submit(gpu)]
+    usage = backend.usage()
+    assert usage.vcpus == {"ondemand": 12} and usage.gpus == {"inference": 2}
+    assert usage.user_gpus == {("ada", "inference"): 2}
+    for job_id in ids:
+        backend.cancel(job_id)
 
 
 def test_service_gets_a_free_loopback_port_and_stops(backend):
@@ -146,11 +159,12 @@ def test_service_gets_a_free_loopback_port_and_stops(backend):
                 "run": "exec python -m http.server --bind $SERVE_HOST $PORT"},
         workdir=str(PROJECT_ROOT), pool="inference", cluster_name="lab-x",
     )  # fmt: skip
-    job_id = backend.start_service(job)
+    service = backend.start_service(job)
+    job_id = service.job_id
     deadline = time.time() + 30
     url = None
     while time.time() < deadline and not url:
-        url = backend.service_url(job, job_id, 8000)
+        url = service.url(8000)
         time.sleep(0.2)
     assert url and url.startswith("http://127.0.0.1:") and not url.endswith(":8000")
     assert backend.clusters() == {"lab-x": job_id}

@@ -22,8 +22,8 @@ def sky():
     return sky
 
 
-def _apply(sky, config: dict, request="jobs.launch", cluster_name=None):
-    """Applies the configured admin policy exactly as SkyPilot's client does."""
+def _apply(sky, config: dict, request="jobs.launch", cluster_name=None, at_client_side=True):
+    """Applies the configured admin policy exactly as SkyPilot does, on the client (default) or the server."""
     from sky import admin_policy, skypilot_config
     from sky.server.requests.request_names import AdminPolicyRequestName
     from sky.utils import admin_policy_utils
@@ -33,7 +33,7 @@ def _apply(sky, config: dict, request="jobs.launch", cluster_name=None):
     if cluster_name:
         options = admin_policy.RequestOptions(cluster_name=cluster_name, idle_minutes_to_autostop=None, down=False, dryrun=False)
     with skypilot_config.override_skypilot_config({"admin_policy": POLICY}):
-        dag, _ = admin_policy_utils.apply(task, AdminPolicyRequestName(request), options, at_client_side=True)
+        dag, _ = admin_policy_utils.apply(task, AdminPolicyRequestName(request), options, at_client_side=at_client_side)
     return dag.tasks[0]
 
 
@@ -78,7 +78,7 @@ def test_transit_credentials_become_secrets_not_envs(sky, monkeypatch):
     monkeypatch.setenv("GPUDOOR_POLICY_AWS_ACCESS_KEY_ID", "AKIA-test-id")
     monkeypatch.setenv("GPUDOOR_POLICY_AWS_SECRET_ACCESS_KEY", "very-secret-value")
     monkeypatch.setenv("GPUDOOR_POLICY_AWS_ENDPOINT_URL", "http://127.0.0.1:9000")
-    task = _apply(sky, _spec("caption", infra="slurm/onprem", labels=OWNER))
+    task = _apply(sky, _spec("caption", infra="slurm/onprem", labels=OWNER), at_client_side=False)
     assert "AWS_SECRET_ACCESS_KEY" not in task.envs
     assert task.secrets["AWS_SECRET_ACCESS_KEY"].get_secret_value() == "very-secret-value"
     assert task.envs["AWS_ENDPOINT_URL"] == "http://127.0.0.1:9000"
@@ -143,3 +143,42 @@ def test_controller_requests_pass_through(sky):
     config = {"name": "ctrl", "resources": {"cpus": 2}, "run": "true"}
     task = _apply(sky, config, request="jobs.launch_controller")
     assert "GPUDOOR_POOL" not in task.envs
+
+
+def test_only_the_server_injects_its_credentials(sky, monkeypatch):
+    """A client-side pass never reads the server's credentials from wherever it happens to run."""
+    monkeypatch.setenv("GPUDOOR_POLICY_AWS_SECRET_ACCESS_KEY", "very-secret-value")
+    task = _apply(sky, _spec("caption", infra="slurm/onprem", labels=OWNER), at_client_side=True)
+    assert "AWS_SECRET_ACCESS_KEY" not in task.secrets and "AWS_SECRET_ACCESS_KEY" not in task.envs
+
+
+def test_a_cluster_launch_is_interactive_whatever_its_name(sky):
+    """SkyPilot names a cluster launch `launch`: any cluster that stays up gets autostop."""
+    task = _apply(sky, _spec("demo", infra="k8s/inference-prod", labels=OWNER), request="launch", cluster_name="my-notebook")
+    assert _resources(task).autostop_config is not None and _resources(task).autostop_config.enabled
+    assert _resources(task).labels["gpudoor-interactive"] == "true"
+
+
+def test_server_pass_after_client_pass_changes_nothing(sky, monkeypatch):
+    """Client then server (with its credentials): the second pass only adds what the server holds."""
+    first = _apply(sky, _spec("eval", infra="k8s/inference-prod", labels={**OWNER, "dagster-run-id": "0123abcd", "dagster-asset": "checkpoint_evals"}))
+    second = _apply(sky, first.to_yaml_config(), at_client_side=False)
+    # The server names the user itself (it knows who sent the request); everything else is unchanged.
+    assert second.envs == first.envs
+    without_user = [{k: v for k, v in _resources(t).labels.items() if k != "gpudoor-user"} for t in (first, second)]
+    assert without_user[0] == without_user[1]
+    assert _resources(second).labels["dagster-run-id"] == "0123abcd"
+    assert _resources(second).cluster_config_overrides == _resources(first).cluster_config_overrides
+
+
+def test_two_pools_on_one_cluster_keep_the_routed_pool(sky, tmp_path, monkeypatch):
+    """When two pools share an infra, the pool in the job's label (the client's route) is kept."""
+    fleet = yaml.safe_load((SPECS_DIR / "fleet.yaml").read_text())
+    fleet["pools"]["spare"] = {**fleet["pools"]["inference"], "env": {"LOCAL_CACHE_DIR": "/spare"}}
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump(fleet))
+    monkeypatch.setenv("GPUDOOR_FLEET_FILE", str(path))
+    task = _apply(sky, _spec("eval", infra="k8s/inference-prod", labels={**OWNER, "gpudoor-pool": "spare"}))
+    assert task.envs["LOCAL_CACHE_DIR"] == "/spare" and _resources(task).labels["gpudoor-pool"] == "spare"
+    task = _apply(sky, _spec("eval", infra="k8s/inference-prod", labels=OWNER))
+    assert task.envs["LOCAL_CACHE_DIR"] == "/cache/gpudoor"

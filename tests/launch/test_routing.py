@@ -7,7 +7,7 @@ import yaml
 
 from gpudoor_pipelines.launch.errors import LaunchConfigError
 from gpudoor_pipelines.launch.fleet import load_fleet, parse_fleet
-from gpudoor_pipelines.launch.routing import route
+from gpudoor_pipelines.launch.routing import Usage, route
 from gpudoor_pipelines.launch.specs import load_spec
 from tests.conftest import SPECS_DIR
 
@@ -28,7 +28,7 @@ def test_each_step_goes_to_its_first_pool(fleet, spec, pool, gpu):
 
 
 def test_caption_spills_to_inference_when_onprem_is_full(fleet):
-    r = route(load_spec("caption"), fleet, gpus_in_use={"onprem": fleet.pools["onprem"].gpu_cap})
+    r = route(load_spec("caption"), fleet, usage=Usage(gpus={"onprem": fleet.pools["onprem"].gpu_cap}))
     assert r.pool.name == "inference"
     assert r.accelerator == "L4"
     assert "onprem" in r.reason and "cap" in r.skipped[0]
@@ -36,13 +36,13 @@ def test_caption_spills_to_inference_when_onprem_is_full(fleet):
 
 def test_eval_falls_through_to_on_demand(fleet):
     full = {p: fleet.pools[p].gpu_cap for p in ("inference", "onprem")}
-    assert route(load_spec("eval"), fleet, gpus_in_use=full).pool.name == "ondemand"
+    assert route(load_spec("eval"), fleet, usage=Usage(gpus=full)).pool.name == "ondemand"
 
 
 def test_everything_full_is_a_clear_error(fleet):
     full = {p.name: p.gpu_cap for p in fleet.pools.values()}
     with pytest.raises(LaunchConfigError, match="cap"):
-        route(load_spec("eval"), fleet, gpus_in_use=full)
+        route(load_spec("eval"), fleet, usage=Usage(gpus=full))
 
 
 def test_pool_override_wins(fleet):
@@ -103,3 +103,59 @@ def test_fleet_unknown_pool_field():
     raw["pools"]["onprem"]["gpu_capp"] = 3
     with pytest.raises(LaunchConfigError, match="did you mean 'gpu_cap'"):
         parse_fleet(raw, "fleet.yaml")
+
+
+def _spec_file(tmp_path, name: str, body: dict):
+    p = tmp_path / f"{name}.yaml"
+    p.write_text(yaml.safe_dump({"name": name, "run": "true", **body}))
+    return load_spec(p)
+
+
+def test_size_caps_are_decided_by_routing(fleet, tmp_path):
+    """Static caps (pool, per user) refuse an explicit target, and make the step route pass a pool over."""
+    big = _spec_file(tmp_path, "train", {"num_nodes": 9, "resources": {"accelerators": "H200:8"}})
+    with pytest.raises(LaunchConfigError, match="per-user cap of 64"):
+        route(big, fleet)
+    huge = _spec_file(tmp_path, "caption", {"resources": {"accelerators": {"RTX6000-Ada": 12, "L4": 4}}})
+    r = route(huge, fleet)  # 12 is over onprem's per-user cap of 8: passed over for 4 L4 on inference
+    assert (r.pool.name, r.accelerators) == ("inference", "L4:4") and "per-user cap of 8" in r.skipped[0]
+    with pytest.raises(LaunchConfigError, match="per-user cap of 8"):
+        route(huge, fleet, pool="onprem")
+
+
+def test_live_per_user_cap(fleet):
+    usage = Usage(user_gpus={("ada", "onprem"): 8})
+    r = route(load_spec("caption"), fleet, user="ada", usage=usage)
+    assert r.pool.name == "inference" and "user 'ada' holds 8 GPUs" in r.skipped[0]
+    assert route(load_spec("caption"), fleet, user="grace", usage=usage).pool.name == "onprem"
+
+
+def test_cpu_only_job_goes_to_the_cpu_route(fleet, tmp_path):
+    prep = _spec_file(tmp_path, "prep", {"resources": {"cpus": "8+", "memory": "32+"}})
+    r = route(prep, fleet)
+    assert (r.pool.name, r.accelerators, r.vcpus_per_node) == ("inference", None, 8)
+    assert r.reason == "CPU-only route" and r.describe() == "8 vCPUs x1 node(s)"
+    # The inference pool's vCPUs are taken: rented machines next.
+    r = route(prep, fleet, usage=Usage(vcpus={"inference": 60}))
+    assert r.pool.name == "ondemand" and r.usd_per_hour == pytest.approx(8 * 0.04)
+    with pytest.raises(LaunchConfigError, match="does not take CPU-only jobs"):
+        route(prep, fleet, pool="h200")
+    too_big = _spec_file(tmp_path, "prep", {"resources": {"cpus": 512}})
+    with pytest.raises(LaunchConfigError, match="vCPU cap"):
+        route(too_big, fleet)
+
+
+def test_cpu_only_job_without_cpu_pools_is_a_clear_error(tmp_path):
+    raw = yaml.safe_load((SPECS_DIR / "fleet.yaml").read_text())
+    raw.pop("cpu_route")
+    prep = _spec_file(tmp_path, "prep", {"resources": {"cpus": 4}})
+    with pytest.raises(LaunchConfigError, match="no pool of .* takes CPU-only jobs") as err:
+        route(prep, parse_fleet(raw, "fleet.yaml"))
+    assert "cpu_route" in err.value.fix
+
+
+def test_pool_and_infra_overrides_must_agree(fleet):
+    r = route(load_spec("caption"), fleet, pool="onprem", infra="slurm/onprem/debug")
+    assert r.pool.name == "onprem" and r.infra == "slurm/onprem/debug"
+    with pytest.raises(LaunchConfigError, match="does not belong to pool 'onprem'"):
+        route(load_spec("caption"), fleet, pool="onprem", infra="k8s/inference-prod")

@@ -11,11 +11,10 @@ import time
 
 import pytest
 
-from gpudoor_pipelines.launch.backends.base import ResolvedJob
 from gpudoor_pipelines.launch.backends.skypilot import SkyPilotBackend
 from gpudoor_pipelines.launch.errors import LaunchConfigError
 from gpudoor_pipelines.launch.fleet import load_fleet
-from gpudoor_pipelines.launch.rules import LaunchContext, apply_fleet_rules
+from gpudoor_pipelines.launch.request import LaunchRequest, resolve
 from gpudoor_pipelines.launch.specs import load_spec
 from tests.conftest import PROJECT_ROOT
 
@@ -27,17 +26,15 @@ def _closed_port() -> int:
 
 
 def test_task_carries_env_secrets_infra_labels_and_nodes():
-    fleet = load_fleet()
-    spec = load_spec("train")
-    decision = apply_fleet_rules(
-        spec.config,
-        fleet.pools["h200"],
-        fleet,
-        LaunchContext(cost_owner="ml-research", run_id="0123abcd", asset="training_run", step="train"),
+    request = LaunchRequest(
+        spec=load_spec("train"),
+        inputs={"OUTPUT_URI": "s3://transit/checkpoints/x"},
         secrets={"AWS_SECRET_ACCESS_KEY": "secret-value"},
-        extra_env={"OUTPUT_URI": "s3://transit/checkpoints/x"},
+        cost_owner="ml-research",
+        asset="training_run",
+        dagster={"dagster/run-id": "0123abcd"},
     )
-    job = ResolvedJob(name="training-run-all-0123abcd", config=decision.config, workdir=str(PROJECT_ROOT), pool="h200")
+    job = resolve(request, load_fleet())
     task = SkyPilotBackend("http://127.0.0.1:1").build_task(job)
     (resources,) = task.resources
     assert task.name == job.name and task.num_nodes == 2

@@ -53,7 +53,7 @@ BASE = {"name": "t", "resources": {"accelerators": "L4:1"}, "run": "echo hi"}
         ({**BASE, "envs": {"DATA": "/mnt/data"}}, "envs.DATA", "fleet.yaml"),
         ({**BASE, "envs": {"AWS_SECRET_ACCESS_KEY": "x"}}, "envs.AWS_SECRET_ACCESS_KEY", "secrets"),
         ({"name": "t", "resources": {"accelerators": "L4:1"}}, "run", "add"),
-        ({**BASE, "resources": {}}, "resources.accelerators", "GPU"),
+        ({**BASE, "resources": {"cpus": "lots"}}, "resources.cpus", "cpus: 8+"),
         ({**BASE, "resources": {"accelerators": "L4:0"}}, "resources.accelerators.L4", "H100:1"),
     ],
 )
@@ -86,3 +86,26 @@ def test_missing_spec_file(tmp_path):
 )
 def test_parse_accelerators(value, expected):
     assert parse_accelerators(value) == expected
+
+
+def test_cpu_only_spec_is_a_valid_task(tmp_path):
+    """Data prep asks for CPUs and memory, no GPU: a valid SkyPilot task, and a valid spec."""
+    path = _write(tmp_path, {"name": "prep", "resources": {"cpus": "8+", "memory": "32+"}, "run": "echo prep"}, "prep.yaml")
+    spec = load_spec(path, skypilot=True)
+    assert spec.is_cpu_only and spec.vcpus == 8 and spec.accelerators == {}
+
+
+def test_spec_is_loaded_and_checked_once_per_file_version(tmp_path, monkeypatch):
+    import gpudoor_pipelines.launch.specs as specs
+
+    calls = []
+    real = specs.validate_with_skypilot
+    monkeypatch.setattr(specs, "validate_with_skypilot", lambda config, source: (calls.append(source), real(config, source)))
+    path = _write(tmp_path, BASE, "once.yaml")
+    assert load_spec(path, skypilot=True) is load_spec(path, skypilot=True)
+    assert len(calls) == 1
+    import os
+
+    os.utime(path, (1, 1))  # a new version of the file is checked again
+    load_spec(path, skypilot=True)
+    assert len(calls) == 2

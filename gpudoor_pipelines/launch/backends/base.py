@@ -7,6 +7,8 @@ import dataclasses
 import enum
 from typing import Any
 
+from gpudoor_pipelines.launch.routing import Route, Usage
+
 
 class JobState(enum.StrEnum):
     """Managed-job states, named as SkyPilot names them."""
@@ -66,6 +68,11 @@ class ResolvedJob:
         pool: the pool's name.
         pool_env: the env the pool injected (cluster paths), so a local run can map them.
         cluster_name: for services (demos): the cluster to launch on.
+        route: where routing sent the job and why.
+        labels: the job's labels.
+        notes: what the fleet rules did, in words.
+        secret_names: names of the secrets the job gets (values are in ``config``).
+        spec_path: the task spec it came from.
     """
 
     name: str
@@ -74,12 +81,22 @@ class ResolvedJob:
     pool: str
     pool_env: dict[str, str] = dataclasses.field(default_factory=dict)
     cluster_name: str | None = None
+    route: Route | None = None
+    labels: dict[str, str] = dataclasses.field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+    secret_names: tuple[str, ...] = ()
+    spec_path: str = ""
 
     @property
     def secrets(self) -> dict[str, str]:
         """Credentials for the job (never logged)."""
         s = self.config.get("secrets") or {}
         return {k: str(v) for k, v in s.items()} if isinstance(s, dict) else {}
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes the job spans."""
+        return int(self.config.get("num_nodes") or 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +128,29 @@ class LogFollower(abc.ABC):
         """Stops following."""
 
 
+class Service(abc.ABC):
+    """A long-running job on a cluster of its own (a demo): it answers on a port until stopped."""
+
+    cluster_name: str
+    job_id: str
+
+    @abc.abstractmethod
+    def status(self) -> JobInfo:
+        """The service job's current state."""
+
+    @abc.abstractmethod
+    def follow_logs(self) -> LogFollower:
+        """A follower of the service's log from the start."""
+
+    @abc.abstractmethod
+    def log_tail(self, lines: int = 30) -> list[str]:
+        """The last lines of the service's log."""
+
+    @abc.abstractmethod
+    def url(self, port: int) -> str | None:
+        """The URL the service answers on, once it does."""
+
+
 class Backend(abc.ABC):
     """Runs resolved jobs somewhere. Implementations know nothing of Dagster."""
 
@@ -122,7 +162,7 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def status(self, job_id: str) -> JobInfo:
-        """The job's current state."""
+        """The job's current state (``KeyError`` when the backend has no such job)."""
 
     @abc.abstractmethod
     def follow_logs(self, job_id: str) -> LogFollower:
@@ -137,16 +177,12 @@ class Backend(abc.ABC):
         """Asks for the job to be cancelled (returns at once)."""
 
     @abc.abstractmethod
-    def gpus_in_use(self) -> dict[str, int]:
-        """GPUs held by jobs that have not ended, per pool."""
+    def usage(self) -> Usage:
+        """GPUs (and CPU-only jobs' vCPUs) held by jobs that have not ended, per pool and per user."""
 
     @abc.abstractmethod
-    def start_service(self, job: ResolvedJob) -> str:
-        """Launches a long-running service on ``job.cluster_name``; returns a job id."""
-
-    @abc.abstractmethod
-    def service_url(self, job: ResolvedJob, job_id: str, port: int) -> str | None:
-        """The URL the service answers on, once known."""
+    def start_service(self, job: ResolvedJob) -> Service:
+        """Launches a long-running service on ``job.cluster_name``."""
 
     @abc.abstractmethod
     def stop_service(self, cluster_name: str) -> bool:

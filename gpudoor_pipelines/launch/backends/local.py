@@ -19,8 +19,17 @@ import sys
 import time
 from pathlib import Path
 
-from gpudoor_pipelines.launch.backends.base import Backend, JobInfo, JobState, LogFollower, ResolvedJob
-from gpudoor_pipelines.launch.specs import parse_accelerators
+from gpudoor_pipelines.launch.backends.base import (
+    Backend,
+    JobInfo,
+    JobState,
+    LogFollower,
+    ResolvedJob,
+    Service,
+)
+from gpudoor_pipelines.launch.routing import Usage
+from gpudoor_pipelines.launch.rules import LABEL_USER
+from gpudoor_pipelines.launch.specs import parse_accelerators, parse_cpus
 
 LOG_FILE = "run.log"
 STATE_FILE = "state.json"
@@ -239,12 +248,12 @@ class LocalBackend(Backend):
         ):
             write_state(job_dir, state=JobState.CANCELLED.value, ended_at=time.time())
 
-    def gpus_in_use(self) -> dict[str, int]:
-        """GPUs requested by local jobs that have not ended, per pool."""
-        out: dict[str, int] = {}
-        if not self.jobs_root.is_dir():
-            return out
-        for job_dir in self.jobs_root.iterdir():
+    def usage(self) -> Usage:
+        """GPUs (and CPU-only jobs' vCPUs) requested by local jobs that have not ended."""
+        gpus: dict[str, int] = {}
+        vcpus: dict[str, int] = {}
+        user_gpus: dict[tuple[str, str], int] = {}
+        for job_dir in self.jobs_root.iterdir() if self.jobs_root.is_dir() else ():
             state = read_state(job_dir)
             if not state or JobState(state.get("state", "PENDING")).is_terminal:
                 continue
@@ -254,37 +263,30 @@ class LocalBackend(Backend):
                 task = json.loads((job_dir / TASK_FILE).read_text())
             except (FileNotFoundError, json.JSONDecodeError):
                 continue
-            accel = parse_accelerators(task["config"].get("resources", {}).get("accelerators"))
-            gpus = sum(accel.values()) * int(task["config"].get("num_nodes") or 1)
-            out[task["pool"]] = out.get(task["pool"], 0) + gpus
-        return out
+            resources, pool = task["config"].get("resources") or {}, task["pool"]
+            nodes = int(task["config"].get("num_nodes") or 1)
+            accel = parse_accelerators(resources.get("accelerators"))
+            if not accel:
+                vcpus[pool] = vcpus.get(pool, 0) + parse_cpus(resources.get("cpus")) * nodes
+                continue
+            held = sum(accel.values()) * nodes
+            gpus[pool] = gpus.get(pool, 0) + held
+            user = (resources.get("labels") or {}).get(LABEL_USER, "unknown")
+            user_gpus[(user, pool)] = user_gpus.get((user, pool), 0) + held
+        return Usage(gpus=gpus, vcpus=vcpus, user_gpus=user_gpus)
 
-    def start_service(self, job: ResolvedJob) -> str:
+    def start_service(self, job: ResolvedJob) -> Service:
         """Starts a service; any earlier service on the same cluster name is stopped first."""
-        self.stop_service(job.cluster_name or job.name)
+        cluster = job.cluster_name or job.name
+        self.stop_service(cluster)
         job_id = self._spawn(job, service=True)
         self._clusters_dir.mkdir(parents=True, exist_ok=True)
-        (self._clusters_dir / f"{job.cluster_name or job.name}.json").write_text(
-            json.dumps({"job_id": job_id})
-        )
-        return job_id
+        (self._clusters_dir / f"{cluster}.json").write_text(json.dumps({"job_id": job_id}))
+        return _LocalService(self, cluster, job_id)
 
     @property
     def _clusters_dir(self) -> Path:
         return self.home / "clusters"
-
-    def service_url(self, job: ResolvedJob, job_id: str, port: int) -> str | None:
-        """``http://127.0.0.1:<port>`` once the service's port answers."""
-        try:
-            task = json.loads((self.job_dir(job_id) / TASK_FILE).read_text())
-        except FileNotFoundError:
-            return None
-        local_port = int(task["config"]["envs"].get("PORT", port))
-        with socket.socket() as s:
-            s.settimeout(0.5)
-            if s.connect_ex(("127.0.0.1", local_port)) != 0:
-                return None
-        return f"http://127.0.0.1:{local_port}"
 
     def stop_service(self, cluster_name: str) -> bool:
         """Stops the service running under ``cluster_name``."""
@@ -302,6 +304,35 @@ class LocalBackend(Backend):
         if not self._clusters_dir.is_dir():
             return {}
         return {p.stem: json.loads(p.read_text())["job_id"] for p in self._clusters_dir.glob("*.json")}
+
+
+class _LocalService(Service):
+    """A service started by the local backend: a local job that listens on a port of 127.0.0.1."""
+
+    def __init__(self, backend: LocalBackend, cluster_name: str, job_id: str) -> None:
+        self.backend, self.cluster_name, self.job_id = backend, cluster_name, job_id
+
+    def status(self) -> JobInfo:
+        return self.backend.status(self.job_id)
+
+    def follow_logs(self) -> LogFollower:
+        return self.backend.follow_logs(self.job_id)
+
+    def log_tail(self, lines: int = 30) -> list[str]:
+        return self.backend.log_tail(self.job_id, lines)
+
+    def url(self, port: int) -> str | None:
+        """``http://127.0.0.1:<port>`` once the service's port answers (each service got a free port)."""
+        try:
+            task = json.loads((self.backend.job_dir(self.job_id) / TASK_FILE).read_text())
+        except FileNotFoundError:
+            return None
+        local_port = int(task["config"]["envs"].get("PORT", port))
+        with socket.socket() as s:
+            s.settimeout(0.5)
+            if s.connect_ex(("127.0.0.1", local_port)) != 0:
+                return None
+        return f"http://127.0.0.1:{local_port}"
 
 
 def _kill_group(pgid: int, sig: signal.Signals) -> None:

@@ -7,30 +7,39 @@ never used. Requests return ids, resolved with ``sky.get``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
-import os
 import queue
 import re
 import threading
 from typing import Any
 
 from gpudoor_pipelines.launch import sky_env
-from gpudoor_pipelines.launch.backends.base import Backend, JobInfo, JobState, LogFollower, ResolvedJob
+from gpudoor_pipelines.launch.backends.base import (
+    Backend,
+    JobInfo,
+    JobState,
+    LogFollower,
+    ResolvedJob,
+    Service,
+)
 from gpudoor_pipelines.launch.errors import LaunchConfigError
-from gpudoor_pipelines.launch.rules import LABEL_POOL
+from gpudoor_pipelines.launch.routing import Usage
+from gpudoor_pipelines.launch.rules import LABEL_POOL, LABEL_USER
 
 _QUEUE_FIELDS = [
     "job_id", "job_name", "status", "infra", "cloud", "region", "zone", "recovery_count", "submitted_at", "start_at",
     "end_at", "job_duration", "failure_reason", "details", "labels", "accelerators", "resources",
 ]  # fmt: skip
-_SERVICE_SEP = "@"  # service job ids are "<cluster>@<cluster job id>"
 _NODES = re.compile(r"^(\d+)x")
+_CPUS = re.compile(r"CPU:(\d+)")  # queue_v2 shows a CPU-only job as e.g. "1x[CPU:8+]"
 
 
 def _sky():
     sky_env.prepare()
     import sky
+    import sky.server.common  # noqa: F401 - makes `sky.server.common` reachable as an attribute
 
     return sky
 
@@ -102,9 +111,13 @@ def _state(status: Any) -> JobState:
 class SkyPilotBackend(Backend):
     """Launches resolved jobs as SkyPilot managed jobs on the team's API server.
 
+    The SDK takes its API server and token from the process's own SkyPilot settings
+    (``SKYPILOT_API_SERVER_ENDPOINT`` / ``SKYPILOT_SERVICE_ACCOUNT_TOKEN``, or ``~/.sky/config.yaml``);
+    this backend never rewrites them. :meth:`check` confirms they name the server it was given.
+
     Args:
         endpoint: the API server URL; required (a missing one never starts a local server).
-        token: a service-account token, if the server needs one.
+        token: a service-account token, if the server needs one (for the reachability check).
     """
 
     name = "skypilot"
@@ -118,24 +131,20 @@ class SkyPilotBackend(Backend):
                 "set SKYPILOT_API_SERVER_ENDPOINT (or GPUDOOR_BACKEND=local for the embedded default)",
             )
         self.endpoint = endpoint.rstrip("/")
-        # The SDK reads both from the environment of this process.
-        os.environ["SKYPILOT_API_SERVER_ENDPOINT"] = self.endpoint
-        if token:
-            os.environ["SKYPILOT_SERVICE_ACCOUNT_TOKEN"] = token
+        self._token = token
 
     def check(self) -> None:
         """Fails fast, before anything is submitted, when the API server does not answer.
 
-        One plain request to ``/api/health`` with a short timeout: SkyPilot's own client retries
-        for tens of seconds before giving up.
+        One plain request to ``/api/health`` with a short timeout (SkyPilot's own client retries for
+        tens of seconds), then a check that the SDK of this process talks to that same server.
         """
         import urllib.error
         import urllib.request
 
         request = urllib.request.Request(f"{self.endpoint}/api/health")
-        token = os.environ.get("SKYPILOT_SERVICE_ACCOUNT_TOKEN")
-        if token:
-            request.add_header("Authorization", f"Bearer {token}")
+        if self._token:
+            request.add_header("Authorization", f"Bearer {self._token}")
         try:
             with urllib.request.urlopen(request, timeout=5) as response:
                 response.read()
@@ -156,6 +165,13 @@ class SkyPilotBackend(Backend):
                 f"no SkyPilot API server answers at {self.endpoint} ({getattr(e, 'reason', e)})",
                 "start the API server or correct SKYPILOT_API_SERVER_ENDPOINT",
             ) from None
+        sdk_endpoint = _sky().server.common.get_server_url()
+        if sdk_endpoint != self.endpoint:
+            raise LaunchConfigError(
+                "resource skypilot", "api_server_endpoint",
+                f"the SkyPilot SDK of this process talks to {sdk_endpoint}, not {self.endpoint}",
+                f"set SKYPILOT_API_SERVER_ENDPOINT={self.endpoint} in the environment of the code location",
+            )  # fmt: skip
 
     def build_task(self, job: ResolvedJob):
         """The ``sky.Task`` for a resolved job: envs, secrets, resources with infra and labels, workdir."""
@@ -170,21 +186,8 @@ class SkyPilotBackend(Backend):
     def submit(self, job: ResolvedJob) -> str:
         """``sky.jobs.launch`` of the job; returns the managed job id."""
         sky = _sky()
-        from sky import exceptions
-
-        task = self.build_task(job)
-        try:
-            job_ids, _ = sky.get(sky.jobs.launch(task, name=job.name))
-        except exceptions.UserRequestRejectedByPolicy as e:
-            raise LaunchConfigError(job.config.get("name", job.name), "(admin policy)", f"rejected by the API server's policy: {e}",
-                                    "change what the policy names, then relaunch") from None  # fmt: skip
-        except (exceptions.ResourcesUnavailableError, ValueError) as e:
-            raise LaunchConfigError(
-                job.name,
-                "resources",
-                f"SkyPilot cannot place the job: {e}",
-                "check the pool's infra and GPUs in task_specs/fleet.yaml",
-            ) from None
+        with _refusals(job):
+            job_ids, _ = sky.get(sky.jobs.launch(self.build_task(job), name=job.name))
         if not job_ids:
             raise RuntimeError(f"SkyPilot returned no job id for {job.name}")
         return str(job_ids[0])
@@ -201,8 +204,6 @@ class SkyPilotBackend(Backend):
 
     def status(self, job_id: str) -> JobInfo:
         """The managed job's record from ``sky.jobs.queue_v2``."""
-        if _SERVICE_SEP in job_id:
-            return self._service_status(job_id)
         r = self._record(int(job_id))
         # queue_v2's `infra` leaves the zone out ("Slurm (cluster)"); a Slurm partition is the zone.
         parts = [str(x) for x in (r.cloud, r.region, r.zone) if x]
@@ -222,96 +223,51 @@ class SkyPilotBackend(Backend):
     def follow_logs(self, job_id: str) -> LogFollower:
         """Streams ``sky.jobs.tail_logs(follow=True)`` in a thread."""
         sky = _sky()
-        if _SERVICE_SEP in job_id:
-            cluster, cid = job_id.split(_SERVICE_SEP)
-            return _ThreadFollower(
-                lambda out: sky.tail_logs(cluster, int(cid), follow=True, output_stream=out)
-            )
-        return _ThreadFollower(
-            lambda out: sky.jobs.tail_logs(job_id=int(job_id), follow=True, output_stream=out)
-        )
+        return _ThreadFollower(lambda out: sky.jobs.tail_logs(job_id=int(job_id), follow=True, output_stream=out))
 
     def log_tail(self, job_id: str, lines: int = 30) -> list[str]:
         """The last lines of the job's log."""
-        import io
-
         sky = _sky()
-        out = io.StringIO()
-        try:
-            if _SERVICE_SEP in job_id:
-                cluster, cid = job_id.split(_SERVICE_SEP)
-                sky.tail_logs(cluster, int(cid), follow=False, tail=lines, output_stream=out)
-            else:
-                sky.jobs.tail_logs(job_id=int(job_id), follow=False, tail=lines, output_stream=out)
-        except Exception as e:  # The tail is best effort: the failure itself is reported anyway.
-            return [f"[gpudoor] could not fetch the log tail: {type(e).__name__}: {e}"]
-        return [_ANSI.sub("", line) for line in out.getvalue().splitlines() if line.strip()][-lines:]
+        return _tail(lambda out: sky.jobs.tail_logs(job_id=int(job_id), follow=False, tail=lines, output_stream=out), lines)
 
     def cancel(self, job_id: str) -> None:
         """``sky.jobs.cancel`` of the job (returns once the request is accepted)."""
         sky = _sky()
-        if _SERVICE_SEP in job_id:
-            self.stop_service(job_id.split(_SERVICE_SEP)[0])
-            return
         sky.get(sky.jobs.cancel(job_ids=[int(job_id)]))
 
-    def gpus_in_use(self) -> dict[str, int]:
-        """GPUs held by unfinished managed jobs, per pool label."""
+    def usage(self) -> Usage:
+        """GPUs (and CPU-only jobs' vCPUs) held by unfinished managed jobs, per pool and user label."""
         sky = _sky()
         records, *_ = sky.get(
             sky.jobs.queue_v2(refresh=False, skip_finished=True, all_users=True, fields=_QUEUE_FIELDS)
         )
-        out: dict[str, int] = {}
+        gpus: dict[str, int] = {}
+        vcpus: dict[str, int] = {}
+        user_gpus: dict[tuple[str, str], int] = {}
         for r in records:
-            pool = (r.labels or {}).get(LABEL_POOL)
+            labels = r.labels or {}
+            pool = labels.get(LABEL_POOL)
             if not pool:
                 continue
+            nodes = int(m.group(1)) if (m := _NODES.match(r.resources or "")) else 1
             per_node = sum(int(v) for v in (r.accelerators or {}).values())
-            nodes = _NODES.match(r.resources or "")
-            out[pool] = out.get(pool, 0) + per_node * (int(nodes.group(1)) if nodes else 1)
-        return out
+            if not per_node:
+                cpus = int(m.group(1)) if (m := _CPUS.search(r.resources or "")) else 0
+                vcpus[pool] = vcpus.get(pool, 0) + cpus * nodes
+                continue
+            user = labels.get(LABEL_USER, "unknown")
+            gpus[pool] = gpus.get(pool, 0) + per_node * nodes
+            user_gpus[(user, pool)] = user_gpus.get((user, pool), 0) + per_node * nodes
+        return Usage(gpus=gpus, vcpus=vcpus, user_gpus=user_gpus)
 
     # ----------------------------------------------------------------- services (demos)
-    def start_service(self, job: ResolvedJob) -> str:
+    def start_service(self, job: ResolvedJob) -> Service:
         """``sky.launch`` on ``job.cluster_name`` (autostop comes from the task's resources)."""
         sky = _sky()
-        task = self.build_task(job)
         cluster = job.cluster_name or job.name
-        job_id, _ = sky.get(sky.launch(task, cluster_name=cluster, retry_until_up=False))
-        return f"{cluster}{_SERVICE_SEP}{job_id}"
-
-    def _service_status(self, job_id: str) -> JobInfo:
-        sky = _sky()
-        cluster, cid = job_id.split(_SERVICE_SEP)
-        statuses = sky.get(sky.job_status(cluster, job_ids=[int(cid)]))
-        status = statuses.get(int(cid))
-        name = getattr(status, "value", str(status))
-        state = {
-            "SUCCEEDED": JobState.SUCCEEDED,
-            "CANCELLED": JobState.CANCELLED,
-            "FAILED_SETUP": JobState.FAILED_SETUP,
-        }.get(
-            name,
-            JobState.FAILED
-            if name and "FAIL" in name
-            else JobState.RUNNING
-            if status
-            else JobState.FAILED_CONTROLLER,
-        )
-        return JobInfo(job_id=job_id, state=state, name=cluster, infra=cluster)
-
-    def service_url(self, job: ResolvedJob, job_id: str, port: int) -> str | None:
-        """``sky.endpoints`` of the cluster's port."""
-        sky = _sky()
-        cluster = job_id.split(_SERVICE_SEP)[0]
-        try:
-            endpoints = sky.get(sky.endpoints(cluster, port))
-        except Exception:  # Not ready yet: the caller polls until its deadline.
-            return None
-        url = endpoints.get(port) or endpoints.get(str(port))
-        if url and not url.startswith("http"):
-            url = f"http://{url}"
-        return url
+        with _refusals(job):
+            job_id, _ = sky.get(sky.launch(self.build_task(job), cluster_name=cluster, retry_until_up=False))
+        return _SkyService(cluster, str(job_id))
 
     def stop_service(self, cluster_name: str) -> bool:
         """``sky.down`` of the service's cluster."""
@@ -323,3 +279,64 @@ class SkyPilotBackend(Backend):
         except (exceptions.ClusterDoesNotExist, ValueError):
             return False
         return True
+
+
+class _SkyService(Service):
+    """A job on a cluster of its own, launched with ``sky.launch``."""
+
+    def __init__(self, cluster_name: str, job_id: str) -> None:
+        self.cluster_name, self.job_id = cluster_name, job_id
+
+    def status(self) -> JobInfo:
+        sky = _sky()
+        status = sky.get(sky.job_status(self.cluster_name, job_ids=[int(self.job_id)])).get(int(self.job_id))
+        name = str(getattr(status, "value", status or ""))
+        if status is None:
+            state = JobState.FAILED_CONTROLLER
+        elif name in ("SUCCEEDED", "CANCELLED", "FAILED_SETUP"):
+            state = JobState(name)
+        else:
+            state = JobState.FAILED if "FAIL" in name else JobState.RUNNING
+        return JobInfo(job_id=self.job_id, state=state, name=self.cluster_name, infra=self.cluster_name)
+
+    def follow_logs(self) -> LogFollower:
+        sky = _sky()
+        return _ThreadFollower(lambda out: sky.tail_logs(self.cluster_name, int(self.job_id), follow=True, output_stream=out))
+
+    def log_tail(self, lines: int = 30) -> list[str]:
+        sky = _sky()
+        return _tail(lambda out: sky.tail_logs(self.cluster_name, int(self.job_id), follow=False, tail=lines, output_stream=out), lines)
+
+    def url(self, port: int) -> str | None:
+        """``sky.endpoints`` of the cluster's port."""
+        sky = _sky()
+        try:
+            endpoints = sky.get(sky.endpoints(self.cluster_name, port))
+        except Exception:  # Not ready yet: the caller polls until its deadline.
+            return None
+        url = endpoints.get(port) or endpoints.get(str(port))
+        return f"http://{url}" if url and not url.startswith("http") else url
+
+
+def _tail(read, lines: int) -> list[str]:
+    out = io.StringIO()
+    try:
+        read(out)
+    except Exception as e:  # The tail is best effort: the failure itself is reported anyway.
+        return [f"[gpudoor] could not fetch the log tail: {type(e).__name__}: {e}"]
+    return [_ANSI.sub("", line) for line in out.getvalue().splitlines() if line.strip()][-lines:]
+
+
+@contextlib.contextmanager
+def _refusals(job: ResolvedJob):
+    """The server's refusals, as the same clear errors the client's own checks raise."""
+    from sky import exceptions
+
+    try:
+        yield
+    except exceptions.UserRequestRejectedByPolicy as e:
+        raise LaunchConfigError(job.spec_path or job.name, "(admin policy)", f"rejected by the API server's policy: {e}",
+                                "change what the policy names, then relaunch") from None  # fmt: skip
+    except (exceptions.ResourcesUnavailableError, ValueError) as e:
+        raise LaunchConfigError(job.name, "resources", f"SkyPilot cannot place the job: {e}",
+                                "check the pool's infra and GPUs in task_specs/fleet.yaml") from None  # fmt: skip

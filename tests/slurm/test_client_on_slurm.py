@@ -1,4 +1,4 @@
-"""SkyPilotResource against the real test bed: managed jobs on Slurm through the SkyPilot API server.
+"""The SkyPilot Pipes client against the real test bed: managed jobs on Slurm through the SkyPilot API server.
 
 Nothing is faked here: the SDK talks to the bed's API server (admin policy on), which runs managed
 jobs on the one-machine Slurm cluster; the transit bucket is the S3 server on 127.0.0.1.
@@ -19,7 +19,7 @@ import dagster as dg
 import pytest
 import yaml
 
-from gpudoor_pipelines.launch.resource import LaunchConfig, SkyPilotResource
+from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
 from gpudoor_pipelines.transit.resource import TransitBucketResource
 
 pytestmark = pytest.mark.slurm
@@ -39,8 +39,8 @@ def transit(s3_server) -> TransitBucketResource:
     )
 
 
-def _resource(testbed, transit, specs_dir: Path | None = None) -> SkyPilotResource:
-    return SkyPilotResource(
+def _resource(testbed, transit, specs_dir: Path | None = None) -> PipesSkyPilotClient:
+    return PipesSkyPilotClient(
         backend="skypilot",
         api_server_endpoint=testbed.api_endpoint,
         fleet_file=str(BED_FLEET),
@@ -63,11 +63,9 @@ def _spec_dir(tmp_path: Path, run: str) -> Path:
 def _probe_asset(name: str = "probe"):
     @dg.asset(name=name)
     def probe(
-        context: dg.AssetExecutionContext, config: LaunchConfig, skypilot: SkyPilotResource
+        context: dg.AssetExecutionContext, config: LaunchConfig, skypilot: PipesSkyPilotClient
     ) -> dg.MaterializeResult:
-        return dg.MaterializeResult(
-            metadata=skypilot.launch(context, "caption", launch_config=config).metadata
-        )
+        return skypilot.run(context=context, request=skypilot.request(context, "caption", config=config)).get_materialize_result()
 
     return probe
 
@@ -92,13 +90,9 @@ def test_caption_shard_is_a_managed_job_on_slurm(testbed, transit, tmp_path):
         bucket.put_bytes(f"shard/images/{image_id(i)}.png", generate_image(i)[0])
 
     @dg.asset
-    def caption_shard(context: dg.AssetExecutionContext, skypilot: SkyPilotResource) -> dg.MaterializeResult:
-        result = skypilot.launch(
-            context,
-            "caption",
-            inputs={"SHARD_URI": bucket.uri("shard"), "OUTPUT_URI": bucket.uri("captions")},
-        )
-        return dg.MaterializeResult(metadata=result.metadata)
+    def caption_shard(context: dg.AssetExecutionContext, skypilot: PipesSkyPilotClient) -> dg.MaterializeResult:
+        inputs = {"SHARD_URI": bucket.uri("shard"), "OUTPUT_URI": bucket.uri("captions")}
+        return skypilot.run(context=context, request=skypilot.request(context, "caption", inputs=inputs)).get_materialize_result()
 
     with dg.instance_for_test() as instance:
         result = dg.materialize(
@@ -132,7 +126,7 @@ def test_terminated_run_leaves_the_job_cancelled_and_slurm_empty(testbed, transi
     script.write_text(textwrap.dedent(f"""
         import dagster as dg
         from pathlib import Path
-        from tests.slurm.test_resource_on_slurm import _probe_asset, _resource
+        from tests.slurm.test_client_on_slurm import _probe_asset, _resource
         from gpudoor_pipelines.transit.resource import TransitBucketResource
         transit = TransitBucketResource.model_validate_json({transit.model_dump_json()!r})
         class Bed:

@@ -1,4 +1,4 @@
-"""SkyPilotResource on the local backend, inside real Dagster runs: logs, metadata, failures,
+"""The SkyPilot Pipes client on the local backend, inside real Dagster runs: logs, metadata, failures,
 bad input before launch, re-attaching to a running job, and cancellation when the run is terminated."""
 
 
@@ -15,7 +15,7 @@ import yaml
 
 from gpudoor_pipelines.launch.backends.base import JobState
 from gpudoor_pipelines.launch.backends.local import LocalBackend
-from gpudoor_pipelines.launch.resource import LaunchConfig, SkyPilotResource
+from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
 from gpudoor_pipelines.transit.resource import TransitBucketResource
 from tests.conftest import PROJECT_ROOT
 
@@ -30,8 +30,8 @@ def _specs(tmp_path: Path, run: str, envs: dict | None = None) -> Path:
     return specs
 
 
-def _resource(tmp_path: Path, specs: Path) -> SkyPilotResource:
-    return SkyPilotResource(
+def _resource(tmp_path: Path, specs: Path) -> PipesSkyPilotClient:
+    return PipesSkyPilotClient(
         specs_dir=str(specs),
         local_home=str(tmp_path / "home"),
         poll_interval_s=0.2,
@@ -41,9 +41,9 @@ def _resource(tmp_path: Path, specs: Path) -> SkyPilotResource:
 
 def _asset(name="probe_asset"):
     @dg.asset(name=name)
-    def probe(context: dg.AssetExecutionContext, config: LaunchConfig, skypilot: SkyPilotResource) -> dg.MaterializeResult:
-        result = skypilot.launch(context, "caption", inputs={"OUTPUT_URI": "file:///nowhere"}, launch_config=config)
-        return dg.MaterializeResult(metadata=result.metadata)
+    def probe(context: dg.AssetExecutionContext, config: LaunchConfig, skypilot: PipesSkyPilotClient) -> dg.MaterializeResult:
+        request = skypilot.request(context, "caption", inputs={"OUTPUT_URI": "file:///nowhere"}, config=config)
+        return skypilot.run(context=context, request=request).get_materialize_result()
 
     return probe
 
@@ -115,7 +115,7 @@ def test_retried_step_reattaches_to_the_running_job(tmp_path):
             [_asset()],
             resources={"skypilot": _resource(tmp_path, specs)},
             instance=instance,
-            tags={"gpudoor/job-probe-asset": f"local:{earlier}"},
+            tags={"gpudoor/job-probe-asset-caption": f"local:{earlier}"},
         )
         assert result.success
         logs = [e.user_message for e in instance.all_logs(result.run_id)]
@@ -132,7 +132,7 @@ def test_terminating_the_run_cancels_the_job_and_its_processes(tmp_path):
         textwrap.dedent(
             f"""
             import dagster as dg
-            from tests.launch.test_resource import _asset, _resource
+            from tests.launch.test_client import _asset, _resource
             from pathlib import Path
             dg.materialize([_asset()], resources={{"skypilot": _resource(Path({str(tmp_path)!r}), Path({str(specs)!r}))}})
             """

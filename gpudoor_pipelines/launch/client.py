@@ -1,0 +1,440 @@
+"""The Dagster-facing launcher: a Pipes client for SkyPilot, in the shape of Dagster's own.
+
+Like ``PipesECSClient`` and ``PipesK8sClient``, :meth:`PipesSkyPilotClient.run` opens a Pipes
+session, launches the job with the session's bootstrap env, waits for it in one place
+(:meth:`~PipesSkyPilotClient._wait_for_completion`), forwards a run's termination to the job
+(``forward_termination``), and returns a :class:`dagster.PipesClientCompletedInvocation` whose
+results carry the launch record (job id, pool, infra, route, policy notes, queued and running
+seconds, GPU-hours, cost) next to what the job reported itself. The three moves are three places:
+:func:`~gpudoor_pipelines.launch.request.resolve` (pure), the backend (launch), :class:`LaunchRecord`
+(record). The job id goes into the run's tags, so a retried step re-attaches to a job that is still
+running instead of launching a second one.
+
+An asset calls it in one line::
+
+    return skypilot.run(context=context, request=skypilot.request(context, "eval", inputs=...)).get_materialize_result()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import getpass
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import dagster as dg
+from pydantic import Field
+
+from gpudoor_pipelines.launch.backends.base import FAILURE_MEANING, Backend, JobInfo, ResolvedJob
+from gpudoor_pipelines.launch.errors import JobFailed, LaunchConfigError
+from gpudoor_pipelines.launch.fleet import Fleet, load_fleet
+from gpudoor_pipelines.launch.request import LaunchRequest, resolve, slug
+from gpudoor_pipelines.launch.specs import TaskSpec, load_spec
+from gpudoor_pipelines.transit.bucket import TransitBucket
+from gpudoor_pipelines.transit.resource import TransitBucketResource
+
+TAG_POOL = "gpudoor/pool"
+TAG_INFRA = "gpudoor/infra"
+TAG_COST_OWNER = "gpudoor/cost-owner"
+_TAG_JOB_PREFIX = "gpudoor/job-"
+_UNSET: Any = object()
+
+
+class LaunchConfig(dg.Config):
+    """Run config every launching asset accepts (the launchpad's "where and how").
+
+    Attributes:
+        pool: send the job to this pool of the fleet instead of the routed one.
+        infra: send the job to this SkyPilot infra string (must belong to a pool).
+        env: values for the spec's declared ``envs`` (only names the spec declares).
+    """
+
+    pool: str | None = Field(default=None, description="Pool of task_specs/fleet.yaml to use instead of the route.")
+    infra: str | None = Field(default=None, description="SkyPilot infra string to use instead of the route.")
+    env: dict[str, str] = Field(default_factory=dict, description="Values for envs the task spec declares.")
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchRecord:
+    """What one launch cost and where it ran: turned into Dagster metadata in one place."""
+
+    job_id: str
+    job_name: str
+    backend: str
+    pool: str
+    infra: str
+    accelerators: str | None
+    num_nodes: int
+    route: str
+    status: str
+    recoveries: int
+    queued_s: float | None
+    running_s: float
+    gpu_hours: float
+    cost_usd: float
+    policy: tuple[str, ...]
+    task_spec: str
+
+    @classmethod
+    def of(cls, job: ResolvedJob, info: JobInfo, backend: str) -> LaunchRecord:
+        """The record of a finished job."""
+        assert job.route is not None
+        queued = info.started_at - info.submitted_at if info.started_at and info.submitted_at else None
+        running = info.ended_at - info.started_at if info.ended_at and info.started_at else 0.0
+        return cls(
+            job_id=info.job_id, job_name=info.name or job.name, backend=backend, pool=job.pool,
+            infra=info.infra or job.route.infra, accelerators=job.route.accelerators, num_nodes=job.num_nodes,
+            route=job.route.reason, status=info.state.value, recoveries=info.recoveries, queued_s=queued,
+            running_s=running, gpu_hours=job.route.total_gpus * running / 3600.0,
+            cost_usd=job.route.usd_per_hour * running / 3600.0, policy=job.notes, task_spec=job.spec_path,
+        )  # fmt: skip
+
+    def to_metadata(self) -> dict[str, Any]:
+        """The record as materialization metadata (names the UI and ``gpu_usage`` read)."""
+        md: dict[str, Any] = {
+            "job_id": self.job_id,
+            "job_name": self.job_name,
+            "backend": self.backend,
+            "pool": self.pool,
+            "infra": self.infra,
+            "accelerators": self.accelerators or "none (CPU-only)",
+            "num_nodes": self.num_nodes,
+            "route": self.route,
+            "status": self.status,
+            "recoveries": self.recoveries,
+            "running_s": round(self.running_s, 2),
+            "gpu_hours": round(self.gpu_hours, 6),
+            "cost_usd_estimate": round(self.cost_usd, 6),
+            "task_spec": dg.MetadataValue.path(self.task_spec),
+        }
+        if self.queued_s is not None:
+            md["queued_s"] = round(self.queued_s, 2)
+        if self.policy:
+            md["policy"] = "; ".join(self.policy)
+        return md
+
+
+class SkyPilotInvocation(dg.PipesClientCompletedInvocation):
+    """A finished launch: the Pipes session's results plus the :class:`LaunchRecord`."""
+
+    def __init__(self, session: dg.PipesSession, record: LaunchRecord) -> None:
+        super().__init__(session, metadata=record.to_metadata())
+        self.record = record
+
+    def get_materialize_result(
+        self,
+        *,
+        implicit_materialization: bool = True,
+        value: Any = _UNSET,
+        metadata: Mapping[str, Any] | None = None,
+        check_results: list[dg.AssetCheckResult] | None = None,
+    ) -> dg.MaterializeResult:
+        """Dagster's materialize result of the invocation; optionally with the asset's value (for its IO
+        manager), more metadata, and check results the job did not report itself."""
+        result = super().get_materialize_result(implicit_materialization=implicit_materialization)
+        if value is _UNSET and not metadata and not check_results:
+            return result
+        extra = {} if value is _UNSET else {"value": value}
+        checks = [*(result.check_results or ()), *(check_results or ())]
+        return dg.MaterializeResult(metadata={**(result.metadata or {}), **(metadata or {})},
+                                    check_results=checks, data_version=result.data_version, **extra)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceRecord:
+    """A running service (a demo) and where it answers."""
+
+    url: str
+    cluster_name: str
+    job_id: str
+    backend: str
+    job: ResolvedJob
+
+    def to_metadata(self) -> dict[str, Any]:
+        """The service as materialization metadata."""
+        route = self.job.route
+        assert route is not None
+        md: dict[str, Any] = {
+            "url": dg.MetadataValue.url(self.url), "cluster_name": self.cluster_name, "job_id": self.job_id,
+            "backend": self.backend, "pool": route.pool.name, "infra": route.infra,
+            "accelerators": route.accelerators or "none (CPU-only)", "usd_per_hour_estimate": round(route.usd_per_hour, 4),
+        }  # fmt: skip
+        if self.job.notes:
+            md["policy"] = "; ".join(self.job.notes)
+        return md
+
+
+class _Redactor:
+    def __init__(self, secrets: Mapping[str, str]) -> None:
+        self._values = sorted({v for v in secrets.values() if v and len(v) >= 4}, key=len, reverse=True)
+
+    def __call__(self, line: str) -> str:
+        for value in self._values:
+            line = line.replace(value, "****")
+        return line
+
+
+@contextlib.contextmanager
+def _nothing_launched() -> Iterator[None]:
+    """Turns a configuration error into a clean step failure that says nothing was launched."""
+    try:
+        yield
+    except LaunchConfigError as e:
+        raise dg.Failure(description=f"Nothing was launched. {e}", metadata={"file": e.source, "field": e.field}) from None
+
+
+class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
+    """Launches task specs as SkyPilot managed jobs (or local processes on the embedded default).
+
+    With no configuration it runs every job on this machine (``backend="local"``); pointed at a
+    SkyPilot API server (``backend="skypilot"``, ``api_server_endpoint``) it launches managed jobs
+    on the team's clusters with the same task files. Dagster Pipes runs through the transit bucket.
+
+    Attributes:
+        backend: ``local`` (embedded default) or ``skypilot``.
+        api_server_endpoint: SkyPilot API server URL (``skypilot`` backend).
+        service_account_token: SkyPilot service-account token, bound with ``dg.EnvVar``; never logged.
+        specs_dir: folder of task specs (default: the project's ``task_specs/``).
+        fleet_file: the fleet file (default: ``task_specs/fleet.yaml``).
+        local_home: state folder of the local backend (default ``$GPUDOOR_HOME`` or ``~/.gpudoor``).
+        cost_owner: who pays for the jobs (default: the fleet's default); a ``gpudoor/cost-owner`` run tag wins.
+        user: who launches (for per-user caps and labels; default: the OS user).
+        poll_interval_s: seconds between status polls.
+        cancel_timeout_s: how long to wait for a cancelled job to reach CANCELLED.
+        forward_termination: cancel the job when the Dagster run is terminated.
+        validate_with_skypilot: also parse every spec with ``sky.Task`` (once per file version).
+        transit: the transit bucket jobs read inputs from and write outputs to, and Pipes runs through.
+    """
+
+    backend: str = Field(default="local", description="'local' (embedded default) or 'skypilot'.")
+    api_server_endpoint: str | None = Field(default=None, description="SkyPilot API server URL.")
+    service_account_token: str | None = Field(default=None, description="SkyPilot service-account token.")
+    specs_dir: str | None = Field(default=None, description="Folder of task specs.")
+    fleet_file: str | None = Field(default=None, description="Fleet file.")
+    local_home: str | None = Field(default=None, description="State folder of the local backend.")
+    cost_owner: str | None = Field(default=None, description="Cost owner label for every job.")
+    user: str | None = Field(default=None, description="Who launches (labels, per-user caps).")
+    poll_interval_s: float = Field(default=0.5, description="Seconds between status polls.")
+    cancel_timeout_s: float = Field(default=180.0, description="Bound on waiting for CANCELLED.")
+    forward_termination: bool = Field(default=True, description="Cancel the job when the run is terminated.")
+    validate_with_skypilot: bool = Field(default=True, description="Parse specs with sky.Task before launching.")
+    transit: TransitBucketResource
+
+    # ----------------------------------------------------------------- pieces
+    def get_backend(self) -> Backend:
+        """The backend named by ``backend``."""
+        if self.backend == "local":
+            from gpudoor_pipelines.launch.backends.local import LocalBackend
+
+            return LocalBackend(home=self.local_home)
+        if self.backend == "skypilot":
+            from gpudoor_pipelines.launch.backends.skypilot import SkyPilotBackend
+
+            return SkyPilotBackend(endpoint=self.api_server_endpoint, token=self.service_account_token)
+        raise LaunchConfigError("resource skypilot", "backend", f"unknown backend '{self.backend}'", "use 'local' or 'skypilot' (GPUDOOR_BACKEND)")
+
+    def get_fleet(self) -> Fleet:
+        """The fleet file, validated (cached until it changes)."""
+        return load_fleet(self.fleet_file)
+
+    def get_spec(self, name: str) -> TaskSpec:
+        """A task spec by name (``caption``) or path, checked (cached until the file changes)."""
+        return load_spec(name, self.specs_dir, skypilot=self.validate_with_skypilot)
+
+    def launching_user(self) -> str:
+        """Who launches: ``user``, else the OS user."""
+        if self.user:
+            return self.user
+        try:
+            return getpass.getuser()
+        except (KeyError, OSError):
+            return "unknown"
+
+    def request(
+        self,
+        context: dg.AssetExecutionContext,
+        spec: str,
+        *,
+        inputs: Mapping[str, str] | None = None,
+        config: LaunchConfig | None = None,
+        cluster_name: str | None = None,
+    ) -> LaunchRequest:
+        """The launch request for the current asset: spec, inputs, overrides, asset, partition, run.
+
+        Raises:
+            dagster.Failure: the spec is missing or invalid ("Nothing was launched").
+        """
+        config = config or LaunchConfig()
+        tags = context.run.tags
+        with _nothing_launched():
+            loaded = self.get_spec(spec)
+        return LaunchRequest(
+            spec=loaded,
+            inputs=dict(inputs or {}),
+            env=dict(config.env),
+            pool=config.pool or tags.get(TAG_POOL),
+            infra=config.infra or tags.get(TAG_INFRA),
+            cost_owner=tags.get(TAG_COST_OWNER) or self.cost_owner,
+            user=self.launching_user(),
+            asset=context.asset_key.to_user_string() if context.has_assets_def else context.op.name,
+            partition=context.partition_key if context.has_partition_key else None,
+            interactive=cluster_name is not None,
+            cluster_name=cluster_name,
+        )
+
+    @staticmethod
+    def _with_transit(request: LaunchRequest, bucket: TransitBucket, bootstrap: Mapping[str, str], dagster: Mapping[str, str]) -> LaunchRequest:
+        """The request with what the launch adds: how to reach the bucket, Pipes' bootstrap env, the run's identity."""
+        inputs = {**bucket.job_env(), **request.inputs, **bootstrap}
+        return dataclasses.replace(request, inputs=inputs, secrets=bucket.job_secrets(), dagster=dict(dagster))
+
+    # ----------------------------------------------------------------- run
+    def run(
+        self, *, context: dg.AssetExecutionContext, request: LaunchRequest, extras: Mapping[str, Any] | None = None
+    ) -> SkyPilotInvocation:
+        """Launches the request as a managed job and waits for it to end.
+
+        Returns:
+            The completed invocation: ``get_materialize_result()`` / ``get_results()`` give what the
+            job reported through Pipes together with the launch record.
+
+        Raises:
+            dagster.Failure: nothing could be launched, or the job failed or was cancelled (the
+                description has its last log lines).
+        """
+        from gpudoor_pipelines.transit.pipes import pipes_context_injector, pipes_message_reader
+
+        with _nothing_launched():
+            backend = self.get_backend()
+            backend.check()
+        bucket = self.transit.get_bucket()
+        with dg.open_pipes_session(
+            context=context,
+            context_injector=pipes_context_injector(bucket),
+            message_reader=pipes_message_reader(bucket),
+            extras=dict(extras or {}),
+        ) as session:
+            # The run's identity (run id, job, partition, user) goes into the job's labels.
+            request = self._with_transit(request, bucket, session.get_bootstrap_env_vars(), session.default_remote_invocation_info)
+            with _nothing_launched():
+                job = resolve(request, self.get_fleet(), usage=backend.usage())
+            job_id = self._reattach_or_submit(context, backend, job, request)
+            info = self._wait_for_completion(context, backend, job_id, _Redactor(job.secrets))
+        return SkyPilotInvocation(session, LaunchRecord.of(job, info, backend.name))
+
+    def _reattach_or_submit(
+        self, context: dg.AssetExecutionContext, backend: Backend, job: ResolvedJob, request: LaunchRequest
+    ) -> str:
+        tag_key = f"{_TAG_JOB_PREFIX}{slug(request.asset or '', 60)}" + (f"-{slug(request.partition, 60)}" if request.partition else "")
+        tag_key += f"-{slug(request.step or request.spec.kind, 20)}"
+        previous = context.run.tags.get(tag_key, "")
+        if previous.startswith(f"{backend.name}:"):
+            old_id = previous.split(":", 1)[1]
+            try:
+                state = backend.status(old_id).state
+            except KeyError:
+                state = None
+            if state is not None and not state.is_terminal:
+                context.log.info(f"Re-attaching to job {old_id}, still {state.value}, instead of launching a second one.")
+                return old_id
+        assert job.route is not None
+        context.log.info(f"Launching {job.name} on pool '{job.pool}' ({job.route.infra}, {job.route.describe()}) "
+                         f"through the {backend.name} backend: {job.route.reason}.")  # fmt: skip
+        job_id = backend.submit(job)
+        context.instance.add_run_tags(context.run.run_id, {tag_key: f"{backend.name}:{job_id}"})
+        context.log.info(f"Submitted job {job_id}.")
+        return job_id
+
+    def _wait_for_completion(
+        self, context: dg.AssetExecutionContext, backend: Backend, job_id: str, redact: _Redactor
+    ) -> JobInfo:
+        """Streams the job's log into the run until the job ends; forwards a termination to the job."""
+        follower = backend.follow_logs(job_id)
+        last_state = None
+        try:
+            while True:
+                info = backend.status(job_id)
+                for line in follower.poll():
+                    context.log.info(redact(line))
+                if info.state != last_state:
+                    context.log.debug(f"Job {job_id}: {info.state.value}")
+                    last_state = info.state
+                if info.state.is_terminal:
+                    for line in follower.poll():
+                        context.log.info(redact(line))
+                    break
+                time.sleep(self.poll_interval_s)
+        except (dg.DagsterExecutionInterruptedError, KeyboardInterrupt):
+            if self.forward_termination:
+                context.log.warning(f"Run terminated: cancelling job {job_id}.")
+                self._cancel_and_wait(context, backend, job_id)
+            raise
+        finally:
+            follower.close()
+        if info.state.is_failure:
+            tail = [redact(line) for line in backend.log_tail(job_id, 30)]
+            err = JobFailed(job_id, info.state.value, info.detail or FAILURE_MEANING.get(info.state, ""), tail)
+            raise dg.Failure(
+                description=str(err),
+                metadata={"job_id": job_id, "status": info.state.value, "log_tail": dg.MetadataValue.md("```\n" + "\n".join(tail) + "\n```")},
+            )
+        return info
+
+    def _cancel_and_wait(self, context: dg.AssetExecutionContext, backend: Backend, job_id: str) -> None:
+        backend.cancel(job_id)
+        deadline = time.time() + self.cancel_timeout_s
+        state = backend.status(job_id).state
+        while not state.is_terminal and time.time() < deadline:
+            time.sleep(self.poll_interval_s)
+            state = backend.status(job_id).state
+        if state.is_terminal:
+            context.log.warning(f"Job {job_id} is {state.value}.")
+        else:
+            context.log.error(f"Job {job_id} still {state.value} after {self.cancel_timeout_s:.0f} s; check it by hand.")
+
+    # ----------------------------------------------------------------- services
+    def serve(
+        self, *, context: dg.AssetExecutionContext, request: LaunchRequest, ready_timeout_s: float = 120.0
+    ) -> ServiceRecord:
+        """Launches a long-running service (a demo) on ``request.cluster_name`` and waits for its URL."""
+        with _nothing_launched():
+            backend = self.get_backend()
+            backend.check()
+            # No Pipes session for a service: the run's identity straight from the run (what a session would give).
+            request = self._with_transit(request, self.transit.get_bucket(), {}, context.run.dagster_execution_info)
+            job = resolve(request, self.get_fleet(), usage=backend.usage())
+        assert job.route is not None and job.cluster_name
+        context.log.info(f"Starting service {job.cluster_name} on pool '{job.pool}' ({job.route.infra}): {job.route.reason}.")
+        service = backend.start_service(job)
+        follower = service.follow_logs()
+        redact = _Redactor(job.secrets)
+        port = (request.spec.ports or [8000])[0]
+        deadline = time.time() + ready_timeout_s
+        url = None
+        try:
+            while time.time() < deadline and not url:
+                for line in follower.poll():
+                    context.log.info(redact(line))
+                info = service.status()
+                if info.state.is_terminal:
+                    tail = [redact(line) for line in service.log_tail(30)]
+                    raise dg.Failure(description=str(JobFailed(service.job_id, info.state.value, "the service stopped before it answered", tail)))
+                url = service.url(port)
+                if not url:
+                    time.sleep(self.poll_interval_s)
+        except (dg.DagsterExecutionInterruptedError, KeyboardInterrupt):
+            backend.stop_service(job.cluster_name)
+            raise
+        finally:
+            follower.close()
+        if not url:
+            backend.stop_service(job.cluster_name)
+            raise dg.Failure(description=f"Service {job.cluster_name} did not answer within {ready_timeout_s:.0f} s; it was stopped.")
+        context.log.info(f"Service {job.cluster_name} is up at {url}")
+        return ServiceRecord(url=url, cluster_name=job.cluster_name, job_id=service.job_id, backend=backend.name, job=job)
+
+    def stop_service(self, cluster_name: str) -> bool:
+        """Tears down the service on ``cluster_name``; True if it was running."""
+        return self.get_backend().stop_service(cluster_name)

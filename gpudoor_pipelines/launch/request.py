@@ -1,0 +1,120 @@
+"""A launch request, and :func:`resolve`: the pure step from a request to the task that runs.
+
+The request is built once per launch (by the Dagster client from the asset's context, or by
+``gpudoor where`` from its arguments); :func:`resolve` routes it and applies the fleet rules. Both
+the launcher and ``gpudoor where`` call the same function, so what ``where`` shows is what runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+
+from gpudoor_pipelines.launch.backends.base import ResolvedJob
+from gpudoor_pipelines.launch.errors import LaunchConfigError
+from gpudoor_pipelines.launch.fleet import PROJECT_ROOT, Fleet
+from gpudoor_pipelines.launch.routing import Usage, route
+from gpudoor_pipelines.launch.rules import Injected, LaunchContext, apply_rules
+from gpudoor_pipelines.launch.specs import TaskSpec
+
+
+def slug(text: str, limit: int = 40) -> str:
+    """A lowercase name SkyPilot accepts in job and cluster names."""
+    return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:limit].strip("-") or "x"
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchRequest:
+    """Everything one launch needs, read once.
+
+    Attributes:
+        spec: the task spec (loaded and checked once, cached by path and modification time).
+        inputs: env the launcher passes (input and output URIs, Pipes bootstrap, transit settings).
+        env: values for envs the spec declares (the launchpad's ``env``).
+        secrets: credentials for the job (transit bucket), passed as SkyPilot secrets; never shown.
+        pool: explicit pool override.
+        infra: explicit SkyPilot infra override.
+        cost_owner: who pays; None means the fleet's default.
+        user: who launches (labels, per-user caps).
+        asset: the asset being materialized.
+        partition: its partition key.
+        dagster: the Dagster run's identity for the job's labels (``dagster/run-id``, ``dagster/job``, ...).
+        interactive: a cluster that stays up (a demo): autostop applies.
+        cluster_name: the cluster a service is launched on.
+        step: the step kind, when not the spec file's name.
+    """
+
+    spec: TaskSpec
+    inputs: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    secrets: Mapping[str, str] = dataclasses.field(default_factory=dict, repr=False)
+    pool: str | None = None
+    infra: str | None = None
+    cost_owner: str | None = None
+    user: str = "unknown"
+    asset: str | None = None
+    partition: str | None = None
+    dagster: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    interactive: bool = False
+    cluster_name: str | None = None
+    step: str | None = None
+
+    @property
+    def run_id(self) -> str | None:
+        """The Dagster run launching the job."""
+        return self.dagster.get("dagster/run-id")
+
+    @property
+    def job_name(self) -> str:
+        """``<asset>-<partition>-<run id prefix>``, or the cluster's name for a service."""
+        if self.cluster_name:
+            return self.cluster_name
+        return f"{slug(self.asset or self.spec.name, 30)}-{slug(self.partition or 'all', 24)}-{(self.run_id or 'adhoc')[:8]}"
+
+    def env_value(self, name: str) -> str:
+        """The value the job gets for a declared env: the launchpad's, else the spec's default."""
+        return self.env.get(name) or self.spec.envs.get(name, "")
+
+    def with_inputs(self, **inputs: str) -> LaunchRequest:
+        """The same request with more launcher env."""
+        return dataclasses.replace(self, inputs={**self.inputs, **inputs})
+
+
+def resolve(request: LaunchRequest, fleet: Fleet, *, usage: Usage | None = None) -> ResolvedJob:
+    """Routes a request and applies the fleet rules: the task that would run, without running it.
+
+    Args:
+        request: the launch request.
+        fleet: the fleet.
+        usage: what is held right now, for live cap checks.
+
+    Raises:
+        LaunchConfigError: anything wrong with the spec, an override or a rule; nothing was launched.
+    """
+    spec = request.spec
+    for name in request.env:
+        if name not in spec.envs:
+            raise LaunchConfigError("run config", f"env.{name}", f"{spec.path} declares no env '{name}'",
+                                    f"use one of {sorted(spec.envs)} or declare it under envs in {spec.path}")  # fmt: skip
+    step = request.step or spec.kind
+    chosen = route(spec, fleet, step=step, pool=request.pool, infra=request.infra, user=request.user, usage=usage)
+    ours = {"dagster/asset": request.asset, "dagster/partition": request.partition}
+    identity = {**request.dagster, **{k: v for k, v in ours.items() if v}}
+    ctx = LaunchContext(cost_owner=request.cost_owner or fleet.default_cost_owner, user=request.user, step=step,
+                        interactive=request.interactive, dagster=identity)  # fmt: skip
+    injected = Injected(env={**request.inputs, **request.env}, secrets=request.secrets)
+    ruled = apply_rules(spec.config, chosen, ctx, fleet, injected, source=spec.path)
+    return ResolvedJob(
+        name=request.job_name,
+        config=ruled.config,
+        workdir=str(PROJECT_ROOT),
+        pool=chosen.pool.name,
+        pool_env=ruled.injected_env,
+        cluster_name=request.cluster_name,
+        route=chosen,
+        labels=ruled.labels,
+        notes=ruled.notes,
+        secret_names=ruled.secret_names,
+        spec_path=spec.path,
+    )

@@ -1,0 +1,124 @@
+"""A stand-in for the part of the SkyPilot SDK the backend calls, for tests of the Dagster side.
+
+What it fakes: the API server (managed jobs that move PENDING → RUNNING → SUCCEEDED over a few
+status polls, their logs, cancel, the queue). What stays real: ``sky.Task`` (tasks are built and
+checked by SkyPilot's own parser) and ``sky.exceptions``. Real managed jobs on a real API server are
+exercised on the Slurm test bed (tests/slurm); this fake is for what the bed cannot show quickly:
+an interrupt arriving at an exact moment, a job that has run for exactly one hour.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import threading
+import types
+from typing import Any
+
+
+class Status(enum.Enum):
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    CANCELLED = "CANCELLED"
+    FAILED = "FAILED"
+
+
+@dataclasses.dataclass
+class Record:
+    """One row of ``sky.jobs.queue_v2``, with the fields the backend reads."""
+
+    job_id: int
+    job_name: str
+    status: Status
+    labels: dict
+    accelerators: dict
+    resources: str
+    cloud: str = "Slurm"
+    region: str = "fake-cluster"
+    zone: str = "part"
+    infra: str = "Slurm (fake-cluster)"
+    recovery_count: int = 0
+    submitted_at: float | None = None
+    start_at: float | None = None
+    end_at: float | None = None
+    failure_reason: str | None = None
+    details: str | None = None
+
+
+class FakeSky:
+    """The fake SDK. ``polls_to_finish`` status polls after submission, a job succeeds.
+
+    Attributes:
+        launched: the ``sky.Task`` of every ``jobs.launch``.
+        cancelled: job ids passed to ``jobs.cancel``.
+        interrupt_after: raise ``interrupt`` from the n-th status poll (simulates a run being terminated).
+    """
+
+    def __init__(self, endpoint: str, polls_to_finish: int = 3, run_seconds: float = 3600.0) -> None:
+        import sky
+
+        self.Task = sky.Task
+        self.exceptions = sky.exceptions
+        self.endpoint = endpoint
+        self.polls_to_finish = polls_to_finish
+        self.run_seconds = run_seconds
+        self.records: dict[int, Record] = {}
+        self.polls: dict[int, int] = {}
+        self.launched: list[Any] = []
+        self.cancelled: list[int] = []
+        self.interrupt_after: int | None = None
+        self.interrupt: BaseException | None = None
+        self._lock = threading.Lock()
+        self.jobs = types.SimpleNamespace(launch=self._launch, queue_v2=self._queue_v2, tail_logs=self._tail_logs, cancel=self._cancel)
+        self.server = types.SimpleNamespace(common=types.SimpleNamespace(get_server_url=lambda: endpoint))
+
+    def get(self, request: Any) -> Any:
+        """The SDK's requests return ids resolved by ``sky.get``; here they are the results themselves."""
+        return request
+
+    def add_job(self, job_id: int, status: Status, labels: dict | None = None) -> None:
+        """A job submitted earlier (by an earlier attempt of a step)."""
+        self.records[job_id] = Record(job_id, f"earlier-{job_id}", status, labels or {}, {"L4": 1}, "1x[L4:1]", submitted_at=500.0)
+        self.polls[job_id] = 0
+
+    def _launch(self, task: Any, name: str | None = None) -> tuple[list[int], None]:
+        with self._lock:
+            job_id = max(self.records, default=0) + 1
+            (resources,) = task.resources
+            self.launched.append(task)
+            self.records[job_id] = Record(job_id, name or task.name, Status.PENDING, dict(resources.labels or {}),
+                                          dict(resources.accelerators or {}), f"{task.num_nodes}x[...]", submitted_at=1000.0)  # fmt: skip
+            self.polls[job_id] = 0
+        return [job_id], None
+
+    def _queue_v2(self, refresh=False, skip_finished=False, all_users=True, job_ids=None, fields=None):
+        with self._lock:
+            rows = [r for r in self.records.values() if job_ids is None or r.job_id in job_ids]
+            for r in rows if job_ids else ():
+                self._advance(r)
+            if skip_finished:
+                rows = [r for r in rows if r.status in (Status.PENDING, Status.RUNNING)]
+        return rows, len(rows), {}, len(rows)
+
+    def _advance(self, r: Record) -> None:
+        self.polls[r.job_id] += 1
+        n = self.polls[r.job_id]
+        if self.interrupt_after is not None and n >= self.interrupt_after and r.status is Status.RUNNING:
+            self.interrupt_after = None
+            raise self.interrupt or KeyboardInterrupt()
+        if r.status is Status.PENDING and n >= 1 and r.submitted_at is not None:
+            r.status, r.start_at = Status.RUNNING, r.submitted_at + 10.0
+        elif r.status is Status.RUNNING and n >= self.polls_to_finish:
+            r.status, r.end_at = Status.SUCCEEDED, (r.start_at or 0.0) + self.run_seconds
+
+    def _tail_logs(self, job_id: int, follow: bool = True, tail: int = 0, output_stream=None) -> int:
+        output_stream.write(f"fake job {job_id} says hello\n")
+        output_stream.write(f"fake job {job_id} is done\n")
+        return 0
+
+    def _cancel(self, job_ids: list[int]) -> None:
+        with self._lock:
+            for job_id in job_ids:
+                self.cancelled.append(job_id)
+                self.records[job_id].status = Status.CANCELLED

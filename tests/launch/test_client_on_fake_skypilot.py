@@ -1,0 +1,102 @@
+"""The Pipes client on the SkyPilot backend, against a fake SkyPilot SDK (see fake_sky.py for what is faked).
+
+Real managed jobs through a real API server are tested on the Slurm test bed (tests/slurm); here the
+moments that a real server cannot produce on demand: an interrupt mid-wait, a job that ran one hour.
+"""
+
+import http.server
+import threading
+from pathlib import Path
+
+import dagster as dg
+import pytest
+import yaml
+
+from gpudoor_pipelines.launch.backends import skypilot as skypilot_backend
+from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
+from gpudoor_pipelines.transit.resource import TransitBucketResource
+from tests.launch.fake_sky import FakeSky, Status
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 - http.server's naming
+        self.send_response(200 if self.path == "/api/health" else 404)
+        self.end_headers()
+        self.wfile.write(b'{"status": "healthy"}')
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_sky(monkeypatch):
+    """A fake SDK behind a real health endpoint on 127.0.0.1 (the backend checks it before launching)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    fake = FakeSky(f"http://127.0.0.1:{server.server_address[1]}")
+    monkeypatch.setattr(skypilot_backend, "_sky", lambda: fake)
+    yield fake
+    server.shutdown()
+    server.server_close()
+
+
+def _client(tmp_path: Path, fake: FakeSky, **kwargs) -> PipesSkyPilotClient:
+    specs = tmp_path / "specs"
+    specs.mkdir(exist_ok=True)
+    (specs / "caption.yaml").write_text(yaml.safe_dump({"name": "probe", "resources": {"accelerators": {"RTX6000-Ada": 1, "L4": 1}}, "run": "echo hi"}))
+    return PipesSkyPilotClient(backend="skypilot", api_server_endpoint=fake.endpoint, specs_dir=str(specs), poll_interval_s=0.01,
+                               cancel_timeout_s=5, transit=TransitBucketResource(local_root=str(tmp_path / "transit")), **kwargs)  # fmt: skip
+
+
+@dg.asset(partitions_def=dg.StaticPartitionsDefinition(["shard-007"]))
+def probe_asset(context: dg.AssetExecutionContext, config: LaunchConfig, skypilot: PipesSkyPilotClient) -> dg.MaterializeResult:
+    return skypilot.run(context=context, request=skypilot.request(context, "caption", config=config)).get_materialize_result()
+
+
+def test_launch_records_one_typed_record_as_metadata(tmp_path, fake_sky):
+    with dg.instance_for_test() as instance:
+        result = dg.materialize([probe_asset], partition_key="shard-007", instance=instance, resources={"skypilot": _client(tmp_path, fake_sky)})
+        assert result.success
+        md = {k: v.value for k, v in result.asset_materializations_for_node("probe_asset")[0].metadata.items()}
+        logs = [e.user_message for e in instance.all_logs(result.run_id)]
+    assert md["job_id"] == "1" and md["backend"] == "skypilot" and md["status"] == "SUCCEEDED"
+    assert md["pool"] == "onprem" and md["accelerators"] == "RTX6000-Ada:1" and md["infra"] == "slurm/fake-cluster/part"
+    # The fake job queued 10 s and ran one hour on one GPU of a $0.35/GPU-hour pool.
+    assert md["queued_s"] == 10.0 and md["running_s"] == 3600.0
+    assert md["gpu_hours"] == 1.0 and md["cost_usd_estimate"] == pytest.approx(0.35)
+    assert "fake job 1 says hello" in logs
+    # The run's identity reached SkyPilot as labels (from the Pipes session's invocation info).
+    (resources,) = fake_sky.launched[0].resources
+    assert resources.labels["dagster-run-id"] == result.run_id and resources.labels["dagster-partition"] == "shard-007"
+    assert resources.labels["dagster-asset"] == "probe_asset" and resources.labels["dagster-job"] == "ephemeral_asset_job"
+
+
+@pytest.mark.parametrize("forward", [True, False])
+def test_termination_is_forwarded_to_the_job(tmp_path, fake_sky, forward):
+    fake_sky.interrupt_after = 2
+    fake_sky.interrupt = dg.DagsterExecutionInterruptedError()
+    result = dg.materialize([probe_asset], partition_key="shard-007", raise_on_error=False,
+                            resources={"skypilot": _client(tmp_path, fake_sky, forward_termination=forward)})  # fmt: skip
+    assert not result.success
+    assert fake_sky.cancelled == ([1] if forward else [])
+    assert fake_sky.records[1].status is (Status.CANCELLED if forward else Status.RUNNING)
+
+
+def test_a_retried_step_reattaches_instead_of_launching_again(tmp_path, fake_sky):
+    fake_sky.add_job(7, Status.RUNNING)
+    with dg.instance_for_test() as instance:
+        result = dg.materialize([probe_asset], partition_key="shard-007", instance=instance, resources={"skypilot": _client(tmp_path, fake_sky)},
+                                tags={"gpudoor/job-probe-asset-shard-007-caption": "skypilot:7"})  # fmt: skip
+        assert result.success
+        logs = [e.user_message for e in instance.all_logs(result.run_id)]
+    assert fake_sky.launched == [] and any("Re-attaching to job 7" in m for m in logs)
+    assert result.asset_materializations_for_node("probe_asset")[0].metadata["job_id"].value == "7"
+
+
+def test_an_sdk_talking_to_another_server_is_refused_before_launch(tmp_path, fake_sky):
+    fake_sky.server.common.get_server_url = lambda: "http://127.0.0.1:1"
+    result = dg.materialize([probe_asset], partition_key="shard-007", raise_on_error=False, resources={"skypilot": _client(tmp_path, fake_sky)})
+    (failure,) = [e for e in result.all_events if e.is_step_failure]
+    text = failure.step_failure_data.user_failure_data.description
+    assert text.startswith("Nothing was launched.") and "SKYPILOT_API_SERVER_ENDPOINT" in text
+    assert fake_sky.launched == []
