@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,13 @@ DEFAULT_SPECS_DIR = PROJECT_ROOT / "task_specs"
 DEFAULT_FLEET_FILE = DEFAULT_SPECS_DIR / "fleet.yaml"
 
 _CLOUD_ALIASES = {"kubernetes": "k8s"}
+_LABEL_VALUE = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+def label_value(text: str) -> str:
+    """Makes a string a valid Kubernetes label value (SkyPilot passes labels on as pod labels)."""
+    cleaned = _LABEL_VALUE.sub("-", str(text)).strip("-_.")
+    return cleaned[:63].rstrip("-_.") or "none"
 
 
 def normalize_infra(infra: str) -> str:

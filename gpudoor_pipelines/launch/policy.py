@@ -101,12 +101,12 @@ def mutate_config(
         LaunchConfigError: routing or a rule refuses the request (the policy turns it into a rejection).
     """
     resources = config.get("resources") or {}
-    ctx = LaunchContext.from_labels({str(k): str(v) for k, v in (resources.get("labels") or {}).items()},
-                                    user=user, interactive=interactive)  # fmt: skip
+    labels = {str(k): str(v) for k, v in (resources.get("labels") or {}).items()}
+    ctx = LaunchContext.from_labels(labels, user=user, interactive=interactive)
     spec = TaskSpec(path=source, kind=ctx.step or str(config.get("name") or ""), config=config)
     infra = _infra_of(resources)
     # Two pools may share one cluster: the pool the client routed to, when it owns the infra, stays.
-    pool = fleet.pools.get(str(resources.get("labels", {}).get(LABEL_POOL, "")))
+    pool = fleet.pools.get(labels.get(LABEL_POOL, ""))
     chosen = route(spec, fleet, step=ctx.step, infra=infra, pool=pool.name if pool and infra and pool.owns_infra(infra) else None, user=ctx.user)
     injected = Injected()
     if not at_client_side:  # only the server holds these; a client-side pass leaves them to it

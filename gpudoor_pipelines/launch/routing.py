@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from gpudoor_pipelines.launch.errors import LaunchConfigError
-from gpudoor_pipelines.launch.fleet import Fleet, Pool, did_you_mean
+from gpudoor_pipelines.launch.fleet import Fleet, Pool, did_you_mean, label_value
 from gpudoor_pipelines.launch.specs import TaskSpec
 
 
@@ -109,7 +109,8 @@ def _fit(spec: TaskSpec, pool: Pool, fleet: Fleet, user: str, usage: Usage) -> t
         return multi_node
     per_node = next(n for g, n in spec.accelerators.items() if g.lower() == gpu.lower())
     total = per_node * nodes
-    held, mine = usage.gpus.get(pool.name, 0), usage.user_gpus.get((user, pool.name), 0)
+    # Usage is read back from job labels, where the user name is in its label form.
+    held, mine = usage.gpus.get(pool.name, 0), usage.user_gpus.get((label_value(user), pool.name), 0)
     if total > pool.gpu_cap:
         return _Misfit("resources.accelerators", f"{total} GPUs is over pool '{pool.name}' cap of {pool.gpu_cap}", f"ask for at most {pool.gpu_cap} GPUs")
     if total > pool.user_gpu_cap:

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import re
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 from gpudoor_pipelines.launch.errors import PolicyRejection
-from gpudoor_pipelines.launch.fleet import Fleet
+from gpudoor_pipelines.launch.fleet import Fleet, label_value
 from gpudoor_pipelines.launch.routing import Route
 
 LABEL_COST_OWNER = "gpudoor-cost-owner"
@@ -34,14 +33,6 @@ LABEL_RUN_ID = "dagster-run-id"
 LABEL_PARTITION = "dagster-partition"
 POOL_ENV = "GPUDOOR_POOL"
 PRIORITY_FIELD = "config.kubernetes.pod_config.spec.priorityClassName"
-_LABEL_VALUE = re.compile(r"[^A-Za-z0-9_.-]+")
-
-
-def label_value(text: str) -> str:
-    """Makes a string a valid Kubernetes label value (SkyPilot passes labels on as pod labels)."""
-    cleaned = _LABEL_VALUE.sub("-", str(text)).strip("-_.")
-    return cleaned[:63].rstrip("-_.") or "none"
-
 
 def _label_key(dagster_key: str) -> str:
     # Dagster's execution info is keyed `dagster/run-id`; labels keep one flat `dagster-run-id` form.

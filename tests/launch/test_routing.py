@@ -128,6 +128,9 @@ def test_live_per_user_cap(fleet):
     r = route(load_spec("caption"), fleet, user="ada", usage=usage)
     assert r.pool.name == "inference" and "user 'ada' holds 8 GPUs" in r.skipped[0]
     assert route(load_spec("caption"), fleet, user="grace", usage=usage).pool.name == "onprem"
+    # Usage comes back from job labels, where a user name is in its label form.
+    labelled = Usage(user_gpus={("first.last-corp.example", "onprem"): 8})
+    assert route(load_spec("caption"), fleet, user="first.last@corp.example", usage=labelled).pool.name == "inference"
 
 
 def test_cpu_only_job_goes_to_the_cpu_route(fleet, tmp_path):
