@@ -90,11 +90,6 @@ class Pool(BaseModel):
         """GPUs one user may hold on the pool at once."""
         return self.gpu_cap if self.max_gpus_per_user is None else self.max_gpus_per_user
 
-    @property
-    def is_kubernetes(self) -> bool:
-        """Whether the pool is a Kubernetes cluster (pod settings apply)."""
-        return normalize_infra(self.infra).startswith("k8s")
-
     def owns_infra(self, infra: str) -> bool:
         """Whether ``infra`` is this pool's infra string or a part of it (``slurm/onprem/debug``)."""
         wanted, mine = normalize_infra(infra), normalize_infra(self.infra)
