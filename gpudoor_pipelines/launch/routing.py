@@ -9,7 +9,7 @@ cap, the per-user cap, vCPU caps for CPU-only jobs, and what is held right now. 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from gpudoor_pipelines.launch.errors import LaunchConfigError
 from gpudoor_pipelines.launch.fleet import Fleet, Pool, did_you_mean, label_value
@@ -29,6 +29,20 @@ class Usage:
     gpus: Mapping[str, int] = dataclasses.field(default_factory=dict)
     vcpus: Mapping[str, int] = dataclasses.field(default_factory=dict)
     user_gpus: Mapping[tuple[str, str], int] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def tally(cls, jobs: Iterable[tuple[str, str, int, int]]) -> Usage:
+        """Sums ``(pool, user, GPUs, vCPUs)`` of unfinished jobs; a job with GPUs counts by its GPUs only."""
+        gpus: dict[str, int] = {}
+        vcpus: dict[str, int] = {}
+        user_gpus: dict[tuple[str, str], int] = {}
+        for pool, user, job_gpus, job_vcpus in jobs:
+            if job_gpus:
+                gpus[pool] = gpus.get(pool, 0) + job_gpus
+                user_gpus[(user, pool)] = user_gpus.get((user, pool), 0) + job_gpus
+            else:
+                vcpus[pool] = vcpus.get(pool, 0) + job_vcpus
+        return cls(gpus=gpus, vcpus=vcpus, user_gpus=user_gpus)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -172,13 +172,18 @@ def labels_rule(d: Draft) -> None:
     d.resources["labels"] = {**(d.resources.get("labels") or {}), **d.ctx.labels(), LABEL_POOL: label_value(d.route.pool.name)}
 
 
+def pool_env(route: Route) -> dict[str, str]:
+    """What the pool injects into every job on it: its paths, and its own name."""
+    return {**route.pool.env, POOL_ENV: route.pool.name}
+
+
 def env_rule(d: Draft) -> None:
     """The launcher's inputs, then the pool's paths (cache, checkpoints), which always win."""
     envs = {k: "" if v is None else str(v) for k, v in (d.task.get("envs") or {}).items()}
     for key, value in d.injected.env.items():
         if not (d.injected.fill_only and envs.get(key)):
             envs[key] = str(value)
-    d.task["envs"] = {**envs, **d.route.pool.env, POOL_ENV: d.route.pool.name}
+    d.task["envs"] = {**envs, **pool_env(d.route)}
 
 
 def secrets_rule(d: Draft) -> None:
@@ -211,7 +216,7 @@ def apply_rules(
         rule(d)
     return RuleResult(
         config=d.task,
-        injected_env={**route.pool.env, POOL_ENV: route.pool.name},
+        injected_env=pool_env(route),
         secret_names=tuple(sorted(d.injected.secrets)),
         labels=dict(d.resources["labels"]),
         notes=tuple(d.notes),

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from gpudoor_pipelines.launch.backends.base import (
@@ -250,9 +251,9 @@ class LocalBackend(Backend):
 
     def usage(self) -> Usage:
         """GPUs (and CPU-only jobs' vCPUs) requested by local jobs that have not ended."""
-        gpus: dict[str, int] = {}
-        vcpus: dict[str, int] = {}
-        user_gpus: dict[tuple[str, str], int] = {}
+        return Usage.tally(self._held())
+
+    def _held(self) -> Iterator[tuple[str, str, int, int]]:
         for job_dir in self.jobs_root.iterdir() if self.jobs_root.is_dir() else ():
             state = read_state(job_dir)
             if not state or JobState(state.get("state", "PENDING")).is_terminal:
@@ -263,17 +264,11 @@ class LocalBackend(Backend):
                 task = json.loads((job_dir / TASK_FILE).read_text())
             except (FileNotFoundError, json.JSONDecodeError):
                 continue
-            resources, pool = task["config"].get("resources") or {}, task["pool"]
+            resources = task["config"].get("resources") or {}
             nodes = int(task["config"].get("num_nodes") or 1)
-            accel = parse_accelerators(resources.get("accelerators"))
-            if not accel:
-                vcpus[pool] = vcpus.get(pool, 0) + parse_cpus(resources.get("cpus")) * nodes
-                continue
-            held = sum(accel.values()) * nodes
-            gpus[pool] = gpus.get(pool, 0) + held
+            gpus = sum(parse_accelerators(resources.get("accelerators")).values()) * nodes
             user = (resources.get("labels") or {}).get(LABEL_USER, "unknown")
-            user_gpus[(user, pool)] = user_gpus.get((user, pool), 0) + held
-        return Usage(gpus=gpus, vcpus=vcpus, user_gpus=user_gpus)
+            yield task["pool"], user, gpus, parse_cpus(resources.get("cpus")) * nodes
 
     def start_service(self, job: ResolvedJob) -> Service:
         """Starts a service; any earlier service on the same cluster name is stopped first."""

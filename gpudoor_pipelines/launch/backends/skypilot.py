@@ -241,24 +241,16 @@ class SkyPilotBackend(Backend):
         records, *_ = sky.get(
             sky.jobs.queue_v2(refresh=False, skip_finished=True, all_users=True, fields=_QUEUE_FIELDS)
         )
-        gpus: dict[str, int] = {}
-        vcpus: dict[str, int] = {}
-        user_gpus: dict[tuple[str, str], int] = {}
+        held = []
         for r in records:
             labels = r.labels or {}
-            pool = labels.get(LABEL_POOL)
-            if not pool:
+            if not labels.get(LABEL_POOL):
                 continue
             nodes = int(m.group(1)) if (m := _NODES.match(r.resources or "")) else 1
-            per_node = sum(int(v) for v in (r.accelerators or {}).values())
-            if not per_node:
-                cpus = int(m.group(1)) if (m := _CPUS.search(r.resources or "")) else 0
-                vcpus[pool] = vcpus.get(pool, 0) + cpus * nodes
-                continue
-            user = labels.get(LABEL_USER, "unknown")
-            gpus[pool] = gpus.get(pool, 0) + per_node * nodes
-            user_gpus[(user, pool)] = user_gpus.get((user, pool), 0) + per_node * nodes
-        return Usage(gpus=gpus, vcpus=vcpus, user_gpus=user_gpus)
+            cpus = int(m.group(1)) if (m := _CPUS.search(r.resources or "")) else 0
+            gpus = sum(int(v) for v in (r.accelerators or {}).values())
+            held.append((labels[LABEL_POOL], labels.get(LABEL_USER, "unknown"), gpus * nodes, cpus * nodes))
+        return Usage.tally(held)
 
     # ----------------------------------------------------------------- services (demos)
     def start_service(self, job: ResolvedJob) -> Service:
