@@ -100,6 +100,11 @@ class TransitBucket(abc.ABC):
         is exclusive, like S3's ``StartAfter``, so a sensor can keep the last key it saw as its cursor."""
 
     @abc.abstractmethod
+    def list_sized(self, prefix: str = "", start_after: str | None = None) -> Iterator[tuple[str, int]]:
+        """(key, size in bytes) of the keys :meth:`list_keys` lists, in the same order: the sizes come
+        with the listing (S3's ``Size``), so telling empty objects apart costs no request per object."""
+
+    @abc.abstractmethod
     def _put_many(self, items: Mapping[str, FileData]) -> None:
         """Store every (key, bytes or local path) at once, each atomically; raise on the first failure."""
 
@@ -182,13 +187,24 @@ class LocalTransitBucket(TransitBucket):
         with concurrent.futures.ThreadPoolExecutor(min(16, len(items))) as pool:
             list(pool.map(lambda item: _atomic_write(self.path_of(item[0]), item[1]), items.items()))
 
-    def list_keys(self, prefix: str = "", start_after: str | None = None) -> Iterator[str]:
+    def _listed(self, prefix: str, start_after: str | None) -> list[str]:
         prefix, keys = prefix.lstrip("/"), []
         for folder, _, names in os.walk(self.path_of(prefix.rsplit("/", 1)[0] if "/" in prefix else "")):
             rel = Path(folder).relative_to(self.root).as_posix() + "/"
             keys += [("" if rel == "./" else rel) + n for n in names if not n.startswith(TMP_PREFIX)]
         after = start_after or ""  # str order is code point order, which is UTF-8 byte order, S3's
-        yield from sorted(k for k in keys if k.startswith(prefix) and k > after)
+        return sorted(k for k in keys if k.startswith(prefix) and k > after)
+
+    def list_keys(self, prefix: str = "", start_after: str | None = None) -> Iterator[str]:
+        yield from self._listed(prefix, start_after)  # no stat per file: listings of many keys stay cheap
+
+    def list_sized(self, prefix: str = "", start_after: str | None = None) -> Iterator[tuple[str, int]]:
+        for key in self._listed(prefix, start_after):
+            try:
+                size = os.stat(self.root / key).st_size
+            except OSError:  # deleted since the walk, or a dangling link: listed, like list_keys does
+                size = 0
+            yield key, size
 
 
 _KEYS = "`access_key_id`/`secret_access_key` (GPUDOOR_S3_ACCESS_KEY_ID/GPUDOOR_S3_SECRET_ACCESS_KEY)"
@@ -412,13 +428,17 @@ class S3TransitBucket(TransitBucket):
         return True
 
     def list_keys(self, prefix: str = "", start_after: str | None = None) -> Iterator[str]:
+        yield from (key for key, _ in self.list_sized(prefix, start_after))
+
+    def list_sized(self, prefix: str = "", start_after: str | None = None) -> Iterator[tuple[str, int]]:
         _clean(prefix := prefix.lstrip("/"), allow_empty=True)
         kwargs = {"Bucket": self.bucket, "Prefix": self._full(prefix)}
         if start_after:
             kwargs["StartAfter"] = self._full(start_after)
         with self._errors(f"listing {self.uri('')}/{prefix}"):
+            root = len(self._full(""))
             for page in self._connect()[0].get_paginator("list_objects_v2").paginate(**kwargs):
-                yield from (obj["Key"][len(self._full("")) :] for obj in page.get("Contents", ()))
+                yield from ((obj["Key"][root:], obj["Size"]) for obj in page.get("Contents", ()))
 
     def job_env(self) -> dict[str, str]:
         env = {"AWS_REGION": self.region, "AWS_DEFAULT_REGION": self.region}
