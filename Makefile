@@ -17,8 +17,12 @@ dev: $(STAMP)
 	DAGSTER_HOME=$${DAGSTER_HOME:-$$HOME/.gpudoor/dagster_home} $(VENV)/bin/gpudoor pools
 	DAGSTER_HOME=$${DAGSTER_HOME:-$$HOME/.gpudoor/dagster_home} $(VENV)/bin/dagster dev -h 127.0.0.1 -p 3000
 
+# The Slurm tests mostly wait on the test bed's managed jobs: they run side by side with the rest.
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q
+	@$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests/slurm > .pytest-slurm.log 2>&1 & slurm=$$!; \
+	$(VENV)/bin/python -m pytest -q --ignore=tests/slurm; rest=$$?; \
+	wait $$slurm; slurm_rc=$$?; echo "== tests/slurm (ran side by side)"; cat .pytest-slurm.log; \
+	exit $$(( rest != 0 || slurm_rc != 0 ))
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check gpudoor_pipelines workloads tests benchmarks

@@ -6,8 +6,9 @@ import dagster as dg
 
 from gpudoor_pipelines.assets import captioning, demo, evaluation, training, usage
 from gpudoor_pipelines.automation.jobs import captioning_job, eval_job, merge_captions_job
-from gpudoor_pipelines.automation.schedules import morning_merge_schedule, nightly_captioning_schedule
+from gpudoor_pipelines.automation.schedules import build_schedules
 from gpudoor_pipelines.automation.sensors import new_checkpoint_sensor
+from gpudoor_pipelines.launch.fleet import load_fleet
 from gpudoor_pipelines.settings import build_resources
 
 ASSET_MODULES = [captioning, training, evaluation, demo, usage]
@@ -19,7 +20,7 @@ def build_defs() -> dg.Definitions:
         assets=dg.load_assets_from_modules(ASSET_MODULES),
         asset_checks=dg.load_asset_checks_from_modules(ASSET_MODULES),
         jobs=[captioning_job, merge_captions_job, eval_job, demo.stop_demo_job],
-        schedules=[nightly_captioning_schedule, morning_merge_schedule],
+        schedules=build_schedules(load_fleet().night_window),
         sensors=[new_checkpoint_sensor],
         resources=build_resources(),
     )

@@ -1,7 +1,7 @@
 """The whole flow, materialized in order on one Dagster instance: the main job of the embedded default.
 
 The same assets run from the UI, schedules and sensors; this module strings them together for one
-command (``gpudoor flow``): dataset → every caption shard → merge → smoke test + training → an
+command (``gpudoor flow``): dataset → every caption shard (one run, as at night) → merge → smoke test + training → an
 evaluation per checkpoint → best checkpoint → demo.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import dagster as dg
 
-from gpudoor_pipelines.assets.partitions import SHARD_KEYS, checkpoint_partitions
+from gpudoor_pipelines.assets.partitions import SHARDS, checkpoint_partitions
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,12 @@ def run_flow(
     run_ids: list[str] = []
     config = run_config or {}
 
-    def materialize(key: str, partition: str | None = None) -> None:
+    def materialize(key: str, partition: str | None = None, partitions: list[str] | None = None) -> None:
         label = f"{key}[{partition}]" if partition else key
+        tags = {}
+        if partitions:  # one run for the range, as the nightly schedule does
+            label = f"{key}[{partitions[0]}…{partitions[-1]}]"
+            tags = {"dagster/asset_partition_range_start": partitions[0], "dagster/asset_partition_range_end": partitions[-1]}
         if on_step:
             on_step(label)
         ops = {key: {"config": config[key]}} if key in config else {}
@@ -68,6 +72,7 @@ def run_flow(
             instance=instance,
             asset_selection=[dg.AssetKey(key)],
             partition_key=partition,
+            tags=tags or None,
             run_config={"ops": ops} if ops else None,
             raise_on_error=False,
         )
@@ -79,8 +84,7 @@ def run_flow(
             )
 
     materialize("dataset_shards")
-    for shard in SHARD_KEYS:
-        materialize("caption_shards", shard)
+    materialize("caption_shards", partitions=list(instance.get_dynamic_partitions(SHARDS)))
     materialize("captioned_dataset")
     materialize("training_run")
     checkpoints = list(_latest_md(instance, "training_run").get("checkpoints") or [])

@@ -29,7 +29,7 @@ def test_definitions_snapshot():
     assert sorted(s.name for s in repo.sensor_defs) == ["new_checkpoint_sensor"]
     assert sorted(defs.resources) == ["io_manager", "skypilot", "transit"]
     checks = {c.name for c in defs.resolve_asset_graph().asset_check_keys}
-    assert checks == {"accuracy_above_chance"}
+    assert checks == {"accuracy_above_chance", "all_shards_captioned"}
     dg.Definitions.validate_loadable(defs)
 
 
@@ -50,11 +50,27 @@ def test_defaults_are_the_embedded_default():
     assert resources["transit"].kind == "local"
 
 
-def test_nightly_schedule_requests_every_shard_off_peak():
-    from gpudoor_pipelines.assets.partitions import SHARD_KEYS
-    from gpudoor_pipelines.automation.schedules import nightly_captioning_schedule
+def test_nightly_schedule_requests_the_shards_not_captioned_in_the_window(tmp_path):
+    import datetime
 
-    context = dg.build_schedule_context(scheduled_execution_time=__import__("datetime").datetime(2026, 11, 30, 1, 0))
-    requests = list(nightly_captioning_schedule(context))
-    assert [r.partition_key for r in requests] == SHARD_KEYS
-    assert nightly_captioning_schedule.cron_schedule == "0 1 * * *"
+    from gpudoor_pipelines.assets.partitions import SHARDS
+    from gpudoor_pipelines.automation.schedules import TAG_WINDOW_END
+    from gpudoor_pipelines.captions import captions_prefix
+    from gpudoor_pipelines.definitions import build_defs
+    from gpudoor_pipelines.transit.resource import TransitBucketResource
+
+    defs = build_defs()
+    schedule = defs.get_schedule_def("nightly_captioning_schedule")
+    assert (schedule.cron_schedule, schedule.execution_timezone) == ("0 1 * * *", "Europe/Paris")
+    assert defs.get_schedule_def("morning_merge_schedule").cron_schedule == "0 6 * * *"
+    transit = TransitBucketResource(kind="local", local_root=str(tmp_path / "bucket"))
+    transit.get_bucket().publish(captions_prefix("color-shape-v1", "sample-00001"), {"count": 1})
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(SHARDS, [f"sample-{i:05d}" for i in range(4)])
+        start = datetime.datetime(2026, 11, 30, 1, 0, tzinfo=datetime.timezone(datetime.timedelta(hours=1)))
+        context = dg.build_schedule_context(instance=instance, scheduled_execution_time=start, resources={"transit": transit})
+        requests = list(schedule.evaluate_tick(context).run_requests or [])
+    assert len(requests) == 1
+    tags = requests[0].tags
+    assert (tags["dagster/asset_partition_range_start"], tags["dagster/asset_partition_range_end"]) == ("sample-00000", "sample-00003")
+    assert tags[TAG_WINDOW_END] == "2026-11-30T06:00:00+01:00"  # the night ends at 06:00 local time

@@ -36,7 +36,7 @@ def _run_and_check(instance):
 
     defs = build_defs()
     # A shorter training than the default (2 checkpoints) keeps the suite quick on 2 cores.
-    run_config = {"dataset_shards": {"num_images": 64}, "training_run": {"env": {"MAX_STEPS": "30", "CHECKPOINT_EVERY": "15"}}}
+    run_config = {"dataset_shards": {"num_images": 64, "shard_size": 16}, "training_run": {"env": {"MAX_STEPS": "30", "CHECKPOINT_EVERY": "15"}}}
     summary = run_flow(defs, instance, run_config=run_config)
     with dg.build_resources({"transit": defs.resources["transit"], "skypilot": defs.resources["skypilot"]}) as res:
         bucket = res.transit.get_bucket()
@@ -81,8 +81,8 @@ def test_whole_flow_through_the_s3_transit_bucket(instance, s3_server, monkeypat
 def _check_flow(instance, summary, bucket, skypilot):
     try:
         # Outputs exist in the bucket.
-        assert bucket.read_manifest("datasets/synthetic/captioned")["rows"] == 64
-        for shard in ("shard-000", "shard-003"):
+        assert bucket.read_manifest("datasets/sample/captioned/color-shape-v1")["rows"] == 64
+        for shard in ("sample-00000", "sample-00003"):
             assert bucket.read_manifest(f"captions/color-shape-v1/{shard}")["count"] == 16
         assert len(summary.checkpoints) >= 2
         for ckpt in summary.checkpoints:
@@ -91,7 +91,7 @@ def _check_flow(instance, summary, bucket, skypilot):
             assert bucket.exists(f"evals/{ckpt}/metrics.json")
 
         # Launch metadata, and what the jobs reported through Pipes, are on the materializations.
-        caption = _md(instance, "caption_shards", "shard-001")
+        caption = _md(instance, "caption_shards", "sample-00001")
         for key in ("job_id", "pool", "infra", "gpu_hours", "cost_usd_estimate", "images_captioned"):
             assert key in caption, key
         assert caption["pool"] == "onprem" and caption["images_captioned"] == 16

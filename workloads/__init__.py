@@ -4,7 +4,8 @@ Each program is launched as ``python -m workloads.<name>`` from the project root
 from environment variables, reads and writes ``file://`` or ``s3://`` URIs, and reports to Dagster
 through Pipes when launched by it:
 
-* ``workloads.caption``: caption a shard of images (resumable; skips images already captioned).
+* ``workloads.caption``: caption the shards of one job of a batch into Parquet parts (resumable at
+  the last part).
 * ``workloads.train``: train the small colour/shape model, multi-node with DDP, checkpointing and
   resuming from the transit bucket.
 * ``workloads.evaluate``: score a checkpoint on the held-out images.

@@ -1,10 +1,10 @@
 """Reporting results to Dagster through Pipes, or to nobody when run by hand.
 
-``open_reporting()`` yields an object with the three Pipes calls the workloads use
-(``report_asset_materialization``, ``report_asset_check``, ``log.info``). Under Dagster Pipes it is the
-real ``PipesContext``, talking over S3 when the orchestrator passed a bucket and over local files
-otherwise; outside Pipes, and on every rank but 0 of a multi-node job, it is a no-op stand-in so the
-programs never need to ask.
+``open_reporting()`` yields an object with the Pipes calls the workloads use
+(``report_asset_materialization``, ``report_asset_check``, ``report_custom_message``, ``log.info``).
+Under Dagster Pipes it is the real ``PipesContext``, talking over S3 when the orchestrator passed a
+bucket and over local files otherwise; outside Pipes, and on every rank but 0 of a multi-node job, it
+is a no-op stand-in so the programs never need to ask.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ class Reporter(Protocol):
         metadata: Mapping[str, Any] | None = None,
     ) -> None: ...
 
+    def report_custom_message(self, payload: Any) -> None: ...
+
 
 class NoOpReporter:
     """Accepts every report and drops it: used outside Pipes and on ranks other than 0."""
@@ -68,6 +70,9 @@ class NoOpReporter:
         metadata: Mapping[str, Any] | None = None,
     ) -> None:
         """Drop an asset check report."""
+
+    def report_custom_message(self, payload: Any) -> None:
+        """Drop a custom message."""
 
 
 def _s3_client() -> Any:

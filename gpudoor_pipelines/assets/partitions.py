@@ -1,4 +1,4 @@
-"""Partitions of the flow: dataset shards (static) and checkpoints (dynamic, added as they appear)."""
+"""Partitions of the flow: dataset shards and checkpoints, both dynamic (registered from the data)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,9 @@ import dagster as dg
 
 from gpudoor_pipelines.transit.bucket import MANIFEST_NAME
 
-NUM_SHARDS = 4
-SHARD_KEYS = [f"shard-{i:03d}" for i in range(NUM_SHARDS)]
-
-shard_partitions = dg.StaticPartitionsDefinition(SHARD_KEYS)
+SHARDS = "shards"
+#: One partition per dataset shard (``<dataset>-NNNNN``), added by ``dataset_shards`` as the data grows.
+shard_partitions = dg.DynamicPartitionsDefinition(name=SHARDS)
 checkpoint_partitions = dg.DynamicPartitionsDefinition(name="checkpoints")
 
 CHECKPOINTS_PREFIX = "checkpoints"

@@ -1,28 +1,83 @@
-"""The nightly captioning window and the morning merge.
+"""The nightly captioning window and the morning merge, both from the fleet's ``night_window``.
 
-Inference GPUs are idle off-peak: captioning starts after the evening traffic drops, and the
-captions are merged into the dataset before people arrive.
+Inference GPUs are idle off-peak: captioning starts when the window opens, stops starting new work
+when it closes, and the morning merge then merges whatever is done.
 """
+
+from __future__ import annotations
 
 import dagster as dg
 
-from gpudoor_pipelines.assets.partitions import SHARD_KEYS
+from gpudoor_pipelines.assets.captioning import MAX_SHARDS_PER_RUN, default_caption_model
+from gpudoor_pipelines.assets.partitions import SHARDS
 from gpudoor_pipelines.automation.jobs import captioning_job, merge_captions_job
+from gpudoor_pipelines.captions import done_shards
+from gpudoor_pipelines.launch.fleet import NightWindow
+from gpudoor_pipelines.transit.resource import TransitBucketResource
 
-OFF_PEAK_TIMEZONE = "Europe/Paris"
+TAG_WINDOW_END = "gpudoor/window-end"
 
 
-@dg.schedule(job=captioning_job, cron_schedule="0 1 * * *", execution_timezone=OFF_PEAK_TIMEZONE)
-def nightly_captioning_schedule(context: dg.ScheduleEvaluationContext):
-    """At 01:00, one run per shard; preempted shards resume where they stopped."""
-    night = context.scheduled_execution_time.strftime("%Y-%m-%d")
-    for shard in SHARD_KEYS:
-        yield dg.RunRequest(
-            run_key=f"{night}-{shard}", partition_key=shard, tags={"gpudoor/window": "off-peak"}
+def night_runs(
+    all_shards: list[str],
+    done: set[str],
+    *,
+    night: str,
+    window_end: str,
+    max_shards: int = MAX_SHARDS_PER_RUN,
+) -> list[dg.RunRequest]:
+    """The run requests of one night: the shards not done yet, as partition ranges of at most ``max_shards``.
+
+    Each run covers a range of consecutive shard keys; a shard of the range that is already done is
+    skipped by the run itself (and counted once, not launched), so ranges may span done shards.
+    """
+    todo = [s for s in all_shards if s not in done]
+    requests = []
+    for i in range(0, len(todo), max_shards):
+        chunk = todo[i : i + max_shards]
+        requests.append(
+            dg.RunRequest(
+                run_key=f"{night}-{i // max_shards:04d}",
+                tags={
+                    "dagster/asset_partition_range_start": chunk[0],
+                    "dagster/asset_partition_range_end": chunk[-1],
+                    TAG_WINDOW_END: window_end,
+                },
+                run_config={"ops": {"caption_shards": {"config": {"window_end": window_end}}}},
+            )
+        )
+    return requests
+
+
+def build_schedules(window: NightWindow) -> list[dg.ScheduleDefinition]:
+    """The nightly captioning and morning merge schedules of a window."""
+
+    @dg.schedule(
+        name="nightly_captioning_schedule",
+        job=captioning_job,
+        cron_schedule=window.start,
+        execution_timezone=window.timezone,
+    )
+    def nightly_captioning_schedule(context: dg.ScheduleEvaluationContext, transit: TransitBucketResource):
+        """When the window opens: the shards not yet captioned by the current model, a few runs of many shards."""
+        start = context.scheduled_execution_time
+        shards = context.instance.get_dynamic_partitions(SHARDS)
+        done = done_shards(transit.get_bucket(), default_caption_model())  # one listing
+        requests = night_runs(
+            shards, done, night=start.strftime("%Y-%m-%d"), window_end=window.end_after(start).isoformat()
+        )
+        return requests or dg.SkipReason(
+            f"All {len(shards)} shards are captioned by {default_caption_model()}."
         )
 
+    @dg.schedule(
+        name="morning_merge_schedule",
+        job=merge_captions_job,
+        cron_schedule=window.end_cron,
+        execution_timezone=window.timezone,
+    )
+    def morning_merge_schedule(context: dg.ScheduleEvaluationContext):
+        """When the window closes: merge whatever shards are captioned into the dataset."""
+        return dg.RunRequest(run_key=context.scheduled_execution_time.strftime("%Y-%m-%d"))
 
-@dg.schedule(job=merge_captions_job, cron_schedule="0 6 * * *", execution_timezone=OFF_PEAK_TIMEZONE)
-def morning_merge_schedule(context: dg.ScheduleEvaluationContext):
-    """At 06:00, merge the night's captions into the dataset."""
-    return dg.RunRequest(run_key=context.scheduled_execution_time.strftime("%Y-%m-%d"))
+    return [nightly_captioning_schedule, morning_merge_schedule]

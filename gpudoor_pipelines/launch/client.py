@@ -21,7 +21,7 @@ import contextlib
 import dataclasses
 import getpass
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import dagster as dg
@@ -51,7 +51,9 @@ class LaunchConfig(dg.Config):
         env: values for the spec's declared ``envs`` (only names the spec declares).
     """
 
-    pool: str | None = Field(default=None, description="Pool of task_specs/fleet.yaml to use instead of the route.")
+    pool: str | None = Field(
+        default=None, description="Pool of task_specs/fleet.yaml to use instead of the route."
+    )
     infra: str | None = Field(default=None, description="SkyPilot infra string to use instead of the route.")
     env: dict[str, str] = Field(default_factory=dict, description="Values for envs the task spec declares.")
 
@@ -114,6 +116,105 @@ class LaunchRecord:
         if self.policy:
             md["policy"] = "; ".join(self.policy)
         return md
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+    """Where a batch would run and how many workers fit: see :meth:`PipesSkyPilotClient.plan_batch`."""
+
+    job: ResolvedJob
+    workers: int
+    free_gpus: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchResult:
+    """A finished batch: every rank's final state, and what the batch cost."""
+
+    job: ResolvedJob
+    job_ids: list[str]
+    infos: list[JobInfo]
+    backend: str
+    tails: dict[int, list[str]] = dataclasses.field(default_factory=dict)
+
+    def failure(self, rank: int) -> JobFailed:
+        """What a failed rank's job did: its end state and last log lines."""
+        info = self.infos[rank]
+        return JobFailed(info.job_id, info.state.value, info.detail or FAILURE_MEANING.get(info.state, ""), self.tails.get(rank, []))
+
+    @property
+    def failed_ranks(self) -> list[int]:
+        """Ranks that did not succeed."""
+        return [rank for rank, info in enumerate(self.infos) if info.state.is_failure]
+
+    def records(self) -> list[LaunchRecord]:
+        """One launch record per rank."""
+        return [LaunchRecord.of(self.job, info, self.backend) for info in self.infos]
+
+    def to_metadata(self) -> dict[str, Any]:
+        """Totals over the ranks, as materialization metadata."""
+        records = self.records()
+        assert self.job.route is not None
+        return {
+            "jobs": len(records),
+            "jobs_failed": len(self.failed_ranks),
+            "pool": self.job.pool,
+            "infra": self.job.route.infra,
+            "accelerators": self.job.route.accelerators or "none (CPU-only)",
+            "backend": self.backend,
+            "gpu_hours": round(sum(r.gpu_hours for r in records), 6),
+            "cost_usd_estimate": round(sum(r.cost_usd for r in records), 6),
+            "running_s": round(sum(r.running_s for r in records), 2),
+        }
+
+
+class _LogStreams:
+    """Streams the logs of up to ``limit`` running jobs of a batch (a person watching sees the jobs work;
+    hundreds of streams would load the API server for nothing)."""
+
+    def __init__(self, backend: Backend, job_ids: list[str], limit: int, emit: Callable[[str], None]) -> None:
+        self.backend, self.job_ids, self.limit, self.emit = backend, job_ids, limit, emit
+        self.prefix = len(job_ids) > 1
+        self.open: dict[str, Any] = {}
+        self.done: set[str] = set()
+
+    def poll(self, infos: Mapping[str, JobInfo]) -> None:
+        for job_id in self.job_ids:
+            info = infos.get(job_id)
+            if info is None or job_id in self.done or job_id in self.open or len(self.open) >= self.limit:
+                continue
+            if info.state.value in ("STARTING", "RUNNING", "RECOVERING"):
+                self.open[job_id] = self.backend.follow_logs(job_id)
+        for job_id, follower in list(self.open.items()):
+            for line in follower.poll():
+                self.emit(f"[job {job_id}] {line}" if self.prefix else line)
+            info = infos.get(job_id)
+            if info is not None and info.state.is_terminal:
+                follower.close()
+                del self.open[job_id]
+                self.done.add(job_id)
+
+    def close(self) -> None:
+        for follower in self.open.values():
+            follower.close()
+
+
+def _results_are_reported_by_the_caller(context: dg.AssetExecutionContext) -> None:
+    """Lifts the check Pipes sets on an asset that the session's results are returned.
+
+    A batch reports through custom messages, and its caller logs one materialization per partition as
+    each finishes: a range run may end with some partitions done and others left for later, which
+    one returned result cannot say. Dagster 1.13 has no public way to lift the check.
+    """
+    context.op_execution_context._step_execution_context._requires_typed_event_stream = False  # noqa: SLF001
+
+
+def _summarize(infos: Iterable[JobInfo]) -> str:
+    counts: dict[str, int] = {}
+    for info in infos:
+        counts[info.state.value] = counts.get(info.state.value, 0) + 1
+    return ", ".join(f"{n} {state.lower()}" for state, n in sorted(counts.items()))
 
 
 class SkyPilotInvocation(dg.PipesClientCompletedInvocation):
@@ -182,7 +283,9 @@ def _nothing_launched() -> Iterator[None]:
     try:
         yield
     except LaunchConfigError as e:
-        raise dg.Failure(description=f"Nothing was launched. {e}", metadata={"file": e.source, "field": e.field}) from None
+        raise dg.Failure(
+            description=f"Nothing was launched. {e}", metadata={"file": e.source, "field": e.field}
+        ) from None
 
 
 class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
@@ -204,6 +307,7 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
         poll_interval_s: seconds between status polls.
         cancel_timeout_s: how long to wait for a cancelled job to reach CANCELLED.
         forward_termination: cancel the job when the Dagster run is terminated.
+        max_log_streams: how many jobs of a batch stream their logs into the run at once.
         validate_with_skypilot: also parse every spec with ``sky.Task`` (once per file version).
         transit: the transit bucket jobs read inputs from and write outputs to, and Pipes runs through.
     """
@@ -219,7 +323,10 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
     poll_interval_s: float = Field(default=0.5, description="Seconds between status polls.")
     cancel_timeout_s: float = Field(default=180.0, description="Bound on waiting for CANCELLED.")
     forward_termination: bool = Field(default=True, description="Cancel the job when the run is terminated.")
-    validate_with_skypilot: bool = Field(default=True, description="Parse specs with sky.Task before launching.")
+    max_log_streams: int = Field(default=4, description="Logs of at most this many jobs of a batch stream into the run at once.")
+    validate_with_skypilot: bool = Field(
+        default=True, description="Parse specs with sky.Task before launching."
+    )
     transit: TransitBucketResource
 
     # ----------------------------------------------------------------- pieces
@@ -233,7 +340,12 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
             from gpudoor_pipelines.launch.backends.skypilot import SkyPilotBackend
 
             return SkyPilotBackend(endpoint=self.api_server_endpoint, token=self.service_account_token)
-        raise LaunchConfigError("resource skypilot", "backend", f"unknown backend '{self.backend}'", "use 'local' or 'skypilot' (GPUDOOR_BACKEND)")
+        raise LaunchConfigError(
+            "resource skypilot",
+            "backend",
+            f"unknown backend '{self.backend}'",
+            "use 'local' or 'skypilot' (GPUDOOR_BACKEND)",
+        )
 
     def get_fleet(self) -> Fleet:
         """The fleet file, validated (cached until it changes)."""
@@ -285,14 +397,25 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
         )
 
     @staticmethod
-    def _with_transit(request: LaunchRequest, bucket: TransitBucket, bootstrap: Mapping[str, str], dagster: Mapping[str, str]) -> LaunchRequest:
+    def _with_transit(
+        request: LaunchRequest,
+        bucket: TransitBucket,
+        bootstrap: Mapping[str, str],
+        dagster: Mapping[str, str],
+    ) -> LaunchRequest:
         """The request with what the launch adds: how to reach the bucket, Pipes' bootstrap env, the run's identity."""
         inputs = {**bucket.job_env(), **request.inputs, **bootstrap}
-        return dataclasses.replace(request, inputs=inputs, secrets=bucket.job_secrets(), dagster=dict(dagster))
+        return dataclasses.replace(
+            request, inputs=inputs, secrets=bucket.job_secrets(), dagster=dict(dagster)
+        )
 
     # ----------------------------------------------------------------- run
     def run(
-        self, *, context: dg.AssetExecutionContext, request: LaunchRequest, extras: Mapping[str, Any] | None = None
+        self,
+        *,
+        context: dg.AssetExecutionContext,
+        request: LaunchRequest,
+        extras: Mapping[str, Any] | None = None,
     ) -> SkyPilotInvocation:
         """Launches the request as a managed job and waits for it to end.
 
@@ -317,7 +440,9 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
             extras=dict(extras or {}),
         ) as session:
             # The run's identity (run id, job, partition, user) goes into the job's labels.
-            request = self._with_transit(request, bucket, session.get_bootstrap_env_vars(), session.default_remote_invocation_info)
+            request = self._with_transit(
+                request, bucket, session.get_bootstrap_env_vars(), session.default_remote_invocation_info
+            )
             with _nothing_launched():
                 job = resolve(request, self.get_fleet(), usage=backend.usage())
             job_id = self._reattach_or_submit(context, backend, job, request)
@@ -327,7 +452,9 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
     def _reattach_or_submit(
         self, context: dg.AssetExecutionContext, backend: Backend, job: ResolvedJob, request: LaunchRequest
     ) -> str:
-        tag_key = f"{_TAG_JOB_PREFIX}{slug(request.asset or '', 60)}" + (f"-{slug(request.partition, 60)}" if request.partition else "")
+        tag_key = f"{_TAG_JOB_PREFIX}{slug(request.asset or '', 60)}" + (
+            f"-{slug(request.partition, 60)}" if request.partition else ""
+        )
         tag_key += f"-{slug(request.step or request.spec.kind, 20)}"
         previous = context.run.tags.get(tag_key, "")
         if previous.startswith(f"{backend.name}:"):
@@ -337,7 +464,9 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
             except KeyError:
                 state = None
             if state is not None and not state.is_terminal:
-                context.log.info(f"Re-attaching to job {old_id}, still {state.value}, instead of launching a second one.")
+                context.log.info(
+                    f"Re-attaching to job {old_id}, still {state.value}, instead of launching a second one."
+                )
                 return old_id
         assert job.route is not None
         context.log.info(f"Launching {job.name} on pool '{job.pool}' ({job.route.infra}, {job.route.describe()}) "
@@ -375,10 +504,16 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
             follower.close()
         if info.state.is_failure:
             tail = [redact(line) for line in backend.log_tail(job_id, 30)]
-            err = JobFailed(job_id, info.state.value, info.detail or FAILURE_MEANING.get(info.state, ""), tail)
+            err = JobFailed(
+                job_id, info.state.value, info.detail or FAILURE_MEANING.get(info.state, ""), tail
+            )
             raise dg.Failure(
                 description=str(err),
-                metadata={"job_id": job_id, "status": info.state.value, "log_tail": dg.MetadataValue.md("```\n" + "\n".join(tail) + "\n```")},
+                metadata={
+                    "job_id": job_id,
+                    "status": info.state.value,
+                    "log_tail": dg.MetadataValue.md("```\n" + "\n".join(tail) + "\n```"),
+                },
             )
         return info
 
@@ -392,7 +527,145 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
         if state.is_terminal:
             context.log.warning(f"Job {job_id} is {state.value}.")
         else:
-            context.log.error(f"Job {job_id} still {state.value} after {self.cancel_timeout_s:.0f} s; check it by hand.")
+            context.log.error(
+                f"Job {job_id} still {state.value} after {self.cancel_timeout_s:.0f} s; check it by hand."
+            )
+
+    # ----------------------------------------------------------------- batches on warm pools
+    def plan_batch(self, request: LaunchRequest, *, pool_name: str, max_workers: int | None = None) -> BatchPlan:
+        """Where a batch of ``request`` would run on the warm pool ``pool_name``, and how many workers fit.
+
+        Free GPUs are the routed pool's cap minus what jobs hold now (:meth:`Backend.usage`), the
+        per-user cap, and, where SkyPilot reports it (Slurm), what the cluster has free; the GPUs the
+        warm pool's own workers hold already count as its own. ``workers`` is 0 when nothing is free.
+
+        Raises:
+            dagster.Failure: the request cannot run on any pool ("Nothing was launched").
+        """
+        with _nothing_launched():
+            backend = self.get_backend()
+            backend.check()
+            fleet = self.get_fleet()
+            usage = backend.usage()
+            own = backend.pool_workers(pool_name)
+            try:
+                job = resolve(request, fleet, usage=usage if not own else None)
+            except LaunchConfigError as e:
+                if "at its cap" not in e.problem and "per-user cap" not in e.problem:
+                    raise
+                job = resolve(request, fleet)  # every pool is full: plan on the first, with no worker
+                return BatchPlan(job=job, workers=0, free_gpus=0, reason=e.problem)
+        assert job.route is not None
+        pool = fleet.pools[job.pool]
+        per_job = max(1, job.route.total_gpus)
+        mine = own * per_job  # usage() counts the warm pool's own workers: they are this batch's to reuse
+        free = min(
+            pool.gpu_cap - usage.gpus.get(job.pool, 0) + mine,
+            pool.user_gpu_cap - usage.user_gpus.get((request.user, job.pool), 0) + mine,
+        )
+        reason = f"pool '{job.pool}' cap {pool.gpu_cap}, {usage.gpus.get(job.pool, 0)} GPUs held"
+        reported = backend.free_gpus(job.route) if job.route.accelerator else None
+        if reported is not None:
+            free = min(free, reported + own * per_job)  # the cluster counts the pool's own workers as busy
+            reason += f", {reported} {job.route.accelerator} free on {job.route.infra}"
+        workers = max(0, free // per_job)
+        if max_workers is not None:
+            workers = min(workers, max_workers)
+        return BatchPlan(job=job, workers=workers, free_gpus=max(0, free), reason=reason)
+
+    def run_batch(
+        self,
+        *,
+        context: dg.AssetExecutionContext,
+        request: LaunchRequest,
+        num_jobs: int,
+        workers: int,
+        pool_name: str,
+        prepare: Callable[[Sequence[Mapping[str, str]]], Mapping[str, str]],
+        on_message: Callable[[Any], None],
+        on_submitted: Callable[[ResolvedJob, list[str]], None] | None = None,
+    ) -> BatchResult:
+        """Launches ``num_jobs`` ranks of a request on the warm pool ``pool_name`` and waits for all of them.
+
+        One Pipes session covers the batch, with one message channel per rank (Dagster's
+        ``PipesCompositeMessageReader``): ``prepare`` gets the per-rank Pipes env, writes what the
+        ranks need (a batch file) and returns the launcher inputs that point at it. Every custom
+        message a rank reports is handed to ``on_message`` as it arrives; ``on_submitted`` gets the
+        resolved job and the rank job ids once they exist. All ranks' states come from one status
+        request per poll; the logs of up to ``max_log_streams`` running ranks stream into the run. A
+        run termination cancels every rank and releases the pool. A failed rank does not raise: the
+        caller decides what to retry (:attr:`BatchResult.failed_ranks`, with their last log lines).
+        """
+        from gpudoor_pipelines.transit.pipes import pipes_context_injector, pipes_message_reader
+
+        with _nothing_launched():
+            backend = self.get_backend()
+        bucket = self.transit.get_bucket()
+        reader = dg.PipesCompositeMessageReader([pipes_message_reader(bucket) for _ in range(num_jobs)])
+        seen = 0
+
+        def deliver() -> None:
+            nonlocal seen
+            messages = session.get_custom_messages()
+            for message in messages[seen:]:
+                on_message(message)
+            seen = len(messages)
+
+        with dg.open_pipes_session(
+            context=context, context_injector=pipes_context_injector(bucket), message_reader=reader
+        ) as session:
+            inputs = prepare(session.get_per_writer_bootstrap_env_vars())
+            request = self._with_transit(request.with_inputs(**inputs), bucket, {}, session.default_remote_invocation_info)
+            with _nothing_launched():
+                # A warm pool that is up already holds its GPUs: its jobs are not checked against them again.
+                live = backend.usage() if not backend.pool_workers(pool_name) else None
+                job = resolve(request, self.get_fleet(), usage=live)
+            assert job.route is not None
+            context.log.info(
+                f"Launching {num_jobs} jobs of {job.name} on pool '{pool_name}' of {workers} workers "
+                f"({job.pool}, {job.route.infra}, {job.route.describe()} each) through the {backend.name} backend."
+            )
+            with _nothing_launched():
+                job_ids = backend.submit_batch(job, num_jobs, pool_name=pool_name, workers=workers)
+            context.log.info(f"Submitted jobs {job_ids[0]}…{job_ids[-1]}." if num_jobs > 1 else f"Submitted job {job_ids[0]}.")
+            if on_submitted:
+                on_submitted(job, job_ids)
+            redact = _Redactor(job.secrets)
+            logs = _LogStreams(backend, job_ids, self.max_log_streams, lambda line: context.log.info(redact(line)))
+            infos: dict[str, JobInfo] = {}
+            try:
+                last_summary = ""
+                while True:
+                    infos.update(backend.statuses([i for i in job_ids if i not in infos or not infos[i].state.is_terminal]))
+                    logs.poll(infos)
+                    deliver()
+                    summary = _summarize(infos.values())
+                    if summary != last_summary:
+                        context.log.info(f"{pool_name}: {summary}")
+                        last_summary = summary
+                    if len(infos) == len(job_ids) and all(i.state.is_terminal for i in infos.values()):
+                        break
+                    time.sleep(self.poll_interval_s)
+            except (dg.DagsterExecutionInterruptedError, KeyboardInterrupt):
+                if self.forward_termination:
+                    context.log.warning(f"Run terminated: cancelling the {len(job_ids)} jobs on pool {pool_name}.")
+                    for job_id in job_ids:
+                        if job_id not in infos or not infos[job_id].state.is_terminal:
+                            backend.cancel(job_id)
+                    backend.release_pool(pool_name)
+                raise
+            finally:
+                logs.close()
+        deliver()  # what arrived while the session closed
+        _results_are_reported_by_the_caller(context)
+        ranks = [infos[i] for i in job_ids]
+        tails = {r: [redact(line) for line in backend.log_tail(info.job_id, 30)]
+                 for r, info in enumerate(ranks) if info.state.is_failure}  # fmt: skip
+        return BatchResult(job=job, job_ids=job_ids, infos=ranks, backend=backend.name, tails=tails)
+
+    def release_pool(self, pool_name: str) -> None:
+        """Gives a warm pool's workers back."""
+        self.get_backend().release_pool(pool_name)
 
     # ----------------------------------------------------------------- services
     def serve(
@@ -403,10 +676,14 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
             backend = self.get_backend()
             backend.check()
             # No Pipes session for a service: the run's identity straight from the run (what a session would give).
-            request = self._with_transit(request, self.transit.get_bucket(), {}, context.run.dagster_execution_info)
+            request = self._with_transit(
+                request, self.transit.get_bucket(), {}, context.run.dagster_execution_info
+            )
             job = resolve(request, self.get_fleet(), usage=backend.usage())
         assert job.route is not None and job.cluster_name
-        context.log.info(f"Starting service {job.cluster_name} on pool '{job.pool}' ({job.route.infra}): {job.route.reason}.")
+        context.log.info(
+            f"Starting service {job.cluster_name} on pool '{job.pool}' ({job.route.infra}): {job.route.reason}."
+        )
         service = backend.start_service(job)
         follower = service.follow_logs()
         redact = _Redactor(job.secrets)
@@ -420,7 +697,16 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
                 info = service.status()
                 if info.state.is_terminal:
                     tail = [redact(line) for line in service.log_tail(30)]
-                    raise dg.Failure(description=str(JobFailed(service.job_id, info.state.value, "the service stopped before it answered", tail)))
+                    raise dg.Failure(
+                        description=str(
+                            JobFailed(
+                                service.job_id,
+                                info.state.value,
+                                "the service stopped before it answered",
+                                tail,
+                            )
+                        )
+                    )
                 url = service.url(port)
                 if not url:
                     time.sleep(self.poll_interval_s)
@@ -431,9 +717,13 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
             follower.close()
         if not url:
             backend.stop_service(job.cluster_name)
-            raise dg.Failure(description=f"Service {job.cluster_name} did not answer within {ready_timeout_s:.0f} s; it was stopped.")
+            raise dg.Failure(
+                description=f"Service {job.cluster_name} did not answer within {ready_timeout_s:.0f} s; it was stopped."
+            )
         context.log.info(f"Service {job.cluster_name} is up at {url}")
-        return ServiceRecord(url=url, cluster_name=job.cluster_name, job_id=service.job_id, backend=backend.name, job=job)
+        return ServiceRecord(
+            url=url, cluster_name=job.cluster_name, job_id=service.job_id, backend=backend.name, job=job
+        )
 
     def stop_service(self, cluster_name: str) -> bool:
         """Tears down the service on ``cluster_name``; True if it was running."""

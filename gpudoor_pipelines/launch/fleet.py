@@ -6,6 +6,7 @@ Pydantic parses and checks the file; :func:`parse_fleet` turns its errors into a
 
 from __future__ import annotations
 
+import datetime
 import difflib
 import functools
 import re
@@ -100,6 +101,54 @@ class Pool(BaseModel):
         return next((g for g in self.gpus if g.lower() == gpu.lower()), None)
 
 
+class NightWindow(BaseModel):
+    """The off-peak window the nightly captioning runs in (inference GPUs are idle then).
+
+    Attributes:
+        start: cron of the window's start (the nightly schedule's cron).
+        end: wall-clock end, ``HH:MM`` in ``timezone``: no job starts a new part after it.
+        timezone: IANA timezone of ``start`` and ``end``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    start: str = "0 1 * * *"
+    end: str = "06:00"
+    timezone: str = "Europe/Paris"
+
+    @model_validator(mode="after")
+    def _check(self) -> NightWindow:
+        import zoneinfo
+
+        if not re.fullmatch(r"([01]\d|2[0-3]):[0-5]\d", self.end):
+            raise _FieldError("night_window.end", f"'{self.end}' is not a time of day", "write it as HH:MM, e.g. 06:00")
+        try:
+            zoneinfo.ZoneInfo(self.timezone)
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+            raise _FieldError("night_window.timezone", f"unknown timezone '{self.timezone}'", "use an IANA name such as Europe/Paris") from None
+        if len(self.start.split()) != 5:
+            raise _FieldError("night_window.start", f"'{self.start}' is not a 5-field cron", "write it like '0 1 * * *' (01:00 daily)")
+        return self
+
+    def end_after(self, start: datetime.datetime) -> datetime.datetime:
+        """The first end of the window after ``start`` (the window's end on the night that starts then)."""
+        import zoneinfo
+
+        zone = zoneinfo.ZoneInfo(self.timezone)
+        local = start.astimezone(zone)
+        hour, minute = (int(x) for x in self.end.split(":"))
+        end = local.replace(hour=hour, minute=minute, second=0, microsecond=0)
+        if end <= local:
+            end += datetime.timedelta(days=1)
+        return end
+
+    @property
+    def end_cron(self) -> str:
+        """Cron of the window's end (the morning merge's schedule)."""
+        hour, minute = (int(x) for x in self.end.split(":"))
+        return f"{minute} {hour} * * *"
+
+
 class Fleet(BaseModel):
     """All pools, the pools each step kind may use in order of preference, and who pays.
 
@@ -111,6 +160,7 @@ class Fleet(BaseModel):
         cpu_route: the pools that take CPU-only jobs, most preferred first (none when empty).
         cost_owners: every job must carry one of these as its cost owner.
         default_cost_owner: the cost owner of jobs that name none.
+        night_window: when the nightly captioning may launch.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -122,6 +172,7 @@ class Fleet(BaseModel):
     cpu_route: tuple[str, ...] = ()
     cost_owners: tuple[str, ...] = ()
     default_cost_owner: str = ""
+    night_window: NightWindow = Field(default_factory=NightWindow)
 
     @model_validator(mode="before")
     @classmethod

@@ -24,8 +24,8 @@ FLOW_ASSETS = [
     "best_checkpoint",
     "demo",
 ]
-GOOD_SHARD = "shard-001"
-BAD_SHARD = "shard-002"
+GOOD_SHARD = "sample-00001"
+BAD_SHARD = "sample-00002"
 _RUN_PATH = re.compile(r"/runs/([0-9a-f-]{36})")
 BAD_MODEL_YAML = "ops:\n  caption_shards:\n    config:\n      env:\n        CAPTION_MODEL: bogus\n"
 
@@ -150,7 +150,7 @@ def test_materialize_dataset_and_one_shard_from_the_ui(page, dagster_server, art
     assert _open_run_and_wait(page, server, run_id) == "Success", server.run_failure_message(run_id)
     _shot(page, artifacts_dir, "03-dataset-run-success")
     dataset = server.metadata("dataset_shards")
-    assert dataset["__run_id__"] == run_id and dataset["num_images"] == 32
+    assert dataset["__run_id__"] == run_id and dataset["images_total"] == 32 and dataset["shards"] == 4
 
     # 2. One caption shard, from the partition dialog.
     dialog = _open_partition_dialog(page, server, GOOD_SHARD)
@@ -160,8 +160,8 @@ def test_materialize_dataset_and_one_shard_from_the_ui(page, dagster_server, art
     assert _open_run_and_wait(page, server, run_id) == "Success", server.run_failure_message(run_id)
     # The captioning job's own progress lines, streamed into the Dagster run.
     _filter_log(page, "captioned")
-    expect(page.get_by_text(re.compile(r"^captioned 8/8 \(")).first).to_be_visible()
-    expect(page.get_by_text("done: 8 captioned, 0 skipped, manifest written").first).to_be_visible()
+    expect(page.get_by_text(re.compile(rf"^shard {GOOD_SHARD}: captioned 8/8 \(")).first).to_be_visible()
+    expect(page.get_by_text(f"shard {GOOD_SHARD}: done, 8 captioned, 0 skipped").first).to_be_visible()
     _shot(page, artifacts_dir, "05-shard-run-success-job-logs")
 
     # 3. The asset page shows the launch metadata of that partition.

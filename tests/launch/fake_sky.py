@@ -70,7 +70,9 @@ class FakeSky:
         self.interrupt_after: int | None = None
         self.interrupt: BaseException | None = None
         self._lock = threading.Lock()
-        self.jobs = types.SimpleNamespace(launch=self._launch, queue_v2=self._queue_v2, tail_logs=self._tail_logs, cancel=self._cancel)
+        self.pools: list[dict] = []  # records as sky.jobs.pool_status returns them
+        self.jobs = types.SimpleNamespace(launch=self._launch, queue_v2=self._queue_v2, tail_logs=self._tail_logs, cancel=self._cancel,
+                                          pool_status=lambda names: [p for p in self.pools if names is None or p["name"] in names])  # fmt: skip
         self.server = types.SimpleNamespace(common=types.SimpleNamespace(get_server_url=lambda: endpoint))
 
     def get(self, request: Any) -> Any:

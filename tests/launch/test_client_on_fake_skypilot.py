@@ -100,3 +100,15 @@ def test_an_sdk_talking_to_another_server_is_refused_before_launch(tmp_path, fak
     text = failure.step_failure_data.user_failure_data.description
     assert text.startswith("Nothing was launched.") and "SKYPILOT_API_SERVER_ENDPOINT" in text
     assert fake_sky.launched == []
+
+
+def test_warm_pool_workers_count_as_held_gpus(tmp_path, fake_sky):
+    """A pool's jobs show in the queue without labels: the GPUs its workers hold are counted from the pool's task."""
+    pool_yaml = "resources:\n  accelerators: {L4: 1}\n  labels: {gpudoor-pool: onprem, gpudoor-user: ana}\n"
+    fake_sky.pools = [
+        {"name": "gpudoor-caption-1234abcd", "status": "READY", "target_num_replicas": 3, "pool_yaml": pool_yaml},
+        {"name": "gpudoor-caption-old", "status": "SHUTTING_DOWN", "target_num_replicas": 5, "pool_yaml": pool_yaml},
+        {"name": "someone-elses", "status": "READY", "target_num_replicas": 2, "pool_yaml": "resources: {accelerators: L4:1}\n"},
+    ]
+    usage = _client(tmp_path, fake_sky).get_backend().usage()
+    assert usage.gpus == {"onprem": 3} and usage.user_gpus == {("ana", "onprem"): 3}

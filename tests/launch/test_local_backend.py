@@ -171,3 +171,89 @@ def test_service_gets_a_free_loopback_port_and_stops(backend):
     assert backend.stop_service("lab-x") is True
     assert backend.status(job_id).state == JobState.CANCELLED
     assert backend.clusters() == {}
+
+
+# ----------------------------------------------------------------- warm pools (sky.jobs.pool_apply + launch(pool=, num_jobs=))
+def _pool_job(run: str, *, setup: str | None = None, gpus: int = 1):
+    job = _job(run, setup=setup)
+    job.config["resources"] = {"accelerators": {"L4": gpus}, "labels": {"gpudoor-user": "ana"}}
+    return ResolvedJob(name="batch", config=job.config, workdir=job.workdir, pool="onprem", labels={"gpudoor-user": "ana"})
+
+
+def _wait_all(backend: LocalBackend, ids: list[str], timeout: float = 60) -> tuple[dict[str, JobState], int]:
+    """Final states, and the most jobs seen running at once."""
+    deadline, most = time.time() + timeout, 0
+    while time.time() < deadline:
+        infos = backend.statuses(ids)
+        most = max(most, sum(i.state in (JobState.STARTING, JobState.RUNNING) for i in infos.values()))
+        if len(infos) == len(ids) and all(i.state.is_terminal for i in infos.values()):
+            return {k: v.state for k, v in infos.items()}, most
+        time.sleep(0.05)
+    raise AssertionError(f"batch not finished after {timeout}s: {backend.statuses(ids)}")
+
+
+def test_pool_runs_ranks_on_warm_workers(backend, tmp_path):
+    marker = tmp_path / "setups"
+    ids = backend.submit_batch(
+        _pool_job("echo rank=$SKYPILOT_JOB_RANK of=$SKYPILOT_NUM_JOBS; sleep 0.3", setup=f"echo x >> {marker}"),
+        6, pool_name="p", workers=2,
+    )  # fmt: skip
+    states, most = _wait_all(backend, ids)
+    assert set(states.values()) == {JobState.SUCCEEDED}
+    assert most <= 2  # never more jobs at once than workers
+    assert [backend.log_tail(i, 5)[-1] for i in ids] == [f"rank={r} of=6" for r in range(6)]
+    assert len(marker.read_text().splitlines()) == 2  # the setup ran once per worker, not once per job
+
+
+def test_pool_workers_hold_their_gpus_until_released(backend):
+    ids = backend.submit_batch(_pool_job("sleep 0.2", gpus=1), 2, pool_name="p", workers=3)
+    assert backend.usage().gpus == {"onprem": 3} and backend.usage().user_gpus == {("ana", "onprem"): 3}
+    _wait_all(backend, ids)
+    backend.release_pool("p")
+    deadline = time.time() + 10
+    while backend.usage().gpus and time.time() < deadline:
+        time.sleep(0.1)
+    assert backend.usage().gpus == {}
+
+
+def test_pool_rank_failure_and_cancel_leave_the_others(backend):
+    ids = backend.submit_batch(
+        _pool_job('[ "$SKYPILOT_JOB_RANK" = 1 ] && exit 3; [ "$SKYPILOT_JOB_RANK" = 2 ] && sleep 60; true'),
+        4, pool_name="p", workers=2,
+    )  # fmt: skip
+    deadline = time.time() + 30
+    while backend.status(ids[2]).state != JobState.RUNNING and time.time() < deadline:
+        time.sleep(0.05)
+    backend.cancel(ids[2])
+    states, _ = _wait_all(backend, ids)
+    assert [states[i] for i in ids] == [JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.SUCCEEDED]
+
+
+def test_released_pool_cancels_queued_jobs(backend):
+    ids = backend.submit_batch(_pool_job("sleep 1"), 5, pool_name="p", workers=1)
+    backend.release_pool("p")
+    states, _ = _wait_all(backend, ids)
+    assert JobState.CANCELLED in states.values() and states[ids[-1]] == JobState.CANCELLED
+
+
+def test_pool_whose_supervisor_dies_fails_its_jobs(backend):
+    import json
+    import signal
+
+    ids = backend.submit_batch(_pool_job("sleep 30"), 3, pool_name="p", workers=1)
+    pid = json.loads((backend.pool_dir("p") / "supervisor.json").read_text())["pid"]
+    os.kill(pid, signal.SIGKILL)
+    states, _ = _wait_all(backend, ids)
+    assert JobState.FAILED_CONTROLLER in states.values()
+    for job_id in ids:  # nothing of the pool keeps running
+        pgid = json.loads((backend.job_dir(job_id) / "runner.json").read_text()).get("pgid")
+        if pgid:
+            os.killpg(pgid, signal.SIGKILL) if _group_exists(pgid) else None
+
+
+def _group_exists(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True

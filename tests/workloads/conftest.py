@@ -6,29 +6,33 @@ scenario once per session and several tests check different things about the sam
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from collections.abc import Iterator
 
-import pandas as pd
 import pytest
 from workload_helpers import (
     CHECKPOINT_EVERY,
+    KILL_PART_SIZE,
     MAX_STEPS,
     PATIENCE_S,
-    caption_files,
     exists,
     free_port,
     kill_leftovers,
-    run_under_pipes,
+    part_uris,
+    publish_images,
+    publish_shard,
+    read_manifest,
+    read_parts,
+    run_caption_batch_under_pipes,
     run_workload,
+    shard_entry,
     start_workload,
     wait_for,
+    write_batch,
 )
 
 from gpudoor_pipelines.transit import bucket as storage
-from workloads.synthetic import generate_image, image_id
 
 NUM_IMAGES = 100
 
@@ -47,53 +51,79 @@ def bucket(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
-def shard(bucket: str) -> tuple[str, dict[str, tuple[str, str]]]:
-    """A shard of NUM_IMAGES synthetic images; returns (shard URI, image id -> (colour, shape))."""
-    uri = storage.join(bucket, "shard-0000")
-    truth = {}
-    for index in range(NUM_IMAGES):
-        png, color, shape = generate_image(index)
-        storage.write_bytes(storage.join(uri, "images", f"{image_id(index)}.png"), png)
-        truth[image_id(index)] = (color, shape)
-    return uri, truth
+def shard(bucket: str) -> tuple[str, dict[str, str]]:
+    """A published shard of NUM_IMAGES synthetic images, stored in a folder of their own.
+
+    Returns:
+        (shard URI, image URI -> true caption).
+    """
+    truth = publish_images(storage.join(bucket, "images", "main"), range(NUM_IMAGES))
+    return publish_shard(storage.join(bucket, "shards", "shard-0000"), list(truth)), truth
 
 
 @pytest.fixture(scope="session")
 def caption_runs(bucket: str, shard: tuple[str, dict], tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The shard captioned across a preemption: a run SIGKILLed midway, then a rerun under Pipes.
+    """The shard captioned across a preemption: a job SIGKILLed midway, then the next batch under Pipes.
+
+    The second batch has two jobs: rank 0 resumes the shard, rank 1 captions a small shard of its own;
+    each reports through its own Pipes channel of one Dagster session.
 
     Returns:
-        {"output": captions URI, "done_before": captions the killed run left,
-        "had_manifest_before": bool, "rerun": the rerun's process, "result": its Dagster result}.
+        {"output": captions URI, "parts_before": part name -> (bytes, mtime) the killed job left,
+        "had_manifest_before": bool, "first_log": its log, "other": (shard URI, truth, output URI) of
+        rank 1, "result": the Dagster result, "reruns": the jobs by rank, "messages": custom messages}.
     """
     output = storage.join(bucket, "captions", "shard-0000")
     logs = tmp_path_factory.mktemp("caption")
-    env = dict(SHARD_URI=shard[0], OUTPUT_URI=output, REPORT_EVERY="25")
-    first = start_workload("caption", logs / "first.log", WORKLOAD_THROTTLE_S="0.03", **env)
-    wait_for(lambda: len(caption_files(output)) >= 10, first, "the first captions", logs / "first.log")
+    batch = storage.join(bucket, "batches", "night-1.json")
+    write_batch(batch, [[shard_entry(shard[0], output)]])
+    first = start_workload(
+        "caption",
+        logs / "first.log",
+        CAPTION_BATCH_URI=batch,
+        IMAGES_PER_PART=str(KILL_PART_SIZE),
+        WORKLOAD_THROTTLE_S="0.02",
+    )
+    wait_for(lambda: part_uris(output), first, "the first part", logs / "first.log")
     first.send_signal(signal.SIGKILL)  # a preemption: no chance to clean up
     first.wait(timeout=PATIENCE_S)
-    done_before = len(caption_files(output))
-    had_manifest = exists(storage.join(output, storage.MANIFEST_NAME))
-    result, rerun = run_under_pipes("caption", env)
+    parts_before = {
+        uri.rsplit("/", 1)[-1]: (storage.read_bytes(uri), os.stat(uri.removeprefix("file://")).st_mtime_ns)
+        for uri in part_uris(output)
+    }
+    had_manifest = read_manifest(output) is not None
+
+    other_truth = publish_images(storage.join(bucket, "images", "other"), range(NUM_IMAGES, NUM_IMAGES + 5))
+    other_shard = publish_shard(storage.join(bucket, "shards", "shard-0001"), list(other_truth))
+    other_output = storage.join(bucket, "captions", "shard-0001")
+    shards_per_job = [[shard_entry(shard[0], output)], [shard_entry(other_shard, other_output)]]
+    batch = storage.join(bucket, "batches", "night-2.json")
+    result, reruns, messages = run_caption_batch_under_pipes(
+        batch, shards_per_job, IMAGES_PER_PART=str(KILL_PART_SIZE)
+    )
     return {
         "output": output,
-        "done_before": done_before,
+        "parts_before": parts_before,
         "had_manifest_before": had_manifest,
-        "rerun": rerun,
+        "first_log": (logs / "first.log").read_text(),
+        "other": (other_shard, other_truth, other_output),
         "result": result,
+        "reruns": reruns,
+        "messages": messages,
     }
 
 
 @pytest.fixture(scope="session")
 def dataset(bucket: str, caption_runs: dict) -> str:
-    """A Parquet data set (image_id, image_uri, caption) built from caption.py's output."""
-    assert caption_runs["rerun"].returncode == 0, caption_runs["rerun"].stderr
-    rows = [json.loads(storage.read_bytes(uri)) for uri in caption_files(caption_runs["output"])]
+    """A Parquet data set (image_id, image_uri, caption) built from the captions of the shard."""
+    assert [p.returncode for p in caption_runs["reruns"]] == [0, 0], [
+        p.stderr for p in caption_runs["reruns"]
+    ]
+    rows = read_parts(caption_runs["output"])
     uri = storage.join(bucket, "datasets", "captions.parquet")
     path = uri.removeprefix("file://")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    pd.DataFrame(rows)[["image_id", "image_uri", "caption"]].to_parquet(path)
+    rows[["image_id", "image_uri", "caption"]].to_parquet(path)
     return uri
 
 

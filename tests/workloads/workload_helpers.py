@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
 from gpudoor_pipelines.transit import bucket as storage
+from workloads.synthetic import caption_text, generate_image, image_id
 
 ROOT = Path(__file__).resolve().parents[2]
 # Upper bound for any one wait: generous, because a loaded CI runner can be many times slower.
@@ -19,6 +25,8 @@ PATIENCE_S = 180
 # The training scenario of conftest.train_runs.
 MAX_STEPS = 60
 CHECKPOINT_EVERY = 20
+# Images per part in the caption preemption scenario: several parts, so the kill lands midway.
+KILL_PART_SIZE = 16
 
 
 def base_env(**overrides: str) -> dict[str, str]:
@@ -42,7 +50,7 @@ def run_workload(name: str, timeout: float = PATIENCE_S, **env: str) -> subproce
     )
 
 
-_started: list[subprocess.Popen[bytes]] = []
+_started: list[subprocess.Popen[Any]] = []
 
 
 def start_workload(name: str, log: Path, **env: str) -> subprocess.Popen[bytes]:
@@ -94,9 +102,103 @@ def exists(uri: str) -> bool:
     return bucket.exists(key)
 
 
-def caption_files(output_uri: str) -> list[str]:
-    """The per-image caption URIs (not the manifest) under ``output_uri``."""
-    return [u for u in storage.list_uris(output_uri) if not u.endswith(storage.MANIFEST_NAME)]
+def publish_images(folder_uri: str, indices: range) -> dict[str, str]:
+    """Store synthetic images ``indices`` under ``folder_uri``; returns image URI -> true caption."""
+    truth = {}
+    for index in indices:
+        png, color, shape = generate_image(index)
+        uri = storage.join(folder_uri, f"{image_id(index)}.png")
+        storage.write_bytes(uri, png)
+        truth[uri] = caption_text(color, shape)
+    return truth
+
+
+def publish_shard(shard_uri: str, images: Sequence[str]) -> str:
+    """Publish a data set shard listing ``images``, as the orchestrator does; returns ``shard_uri``."""
+    name = shard_uri.rstrip("/").rsplit("/", 1)[-1]
+    manifest = {"dataset": "synthetic", "shard": name, "count": len(images), "images": list(images)}
+    storage.publish(shard_uri, manifest)
+    return shard_uri
+
+
+def shard_entry(shard_uri: str, output_uri: str) -> dict[str, str]:
+    """A shard's entry in a caption batch file."""
+    return {
+        "shard": shard_uri.rstrip("/").rsplit("/", 1)[-1],
+        "shard_uri": shard_uri,
+        "output_uri": output_uri,
+    }
+
+
+def write_batch(
+    uri: str,
+    shards_per_job: Sequence[Sequence[dict[str, str]]],
+    window_end: float | None = None,
+    pipes_envs: Sequence[Mapping[str, str]] = (),
+) -> str:
+    """Write a caption batch file: one job per entry of ``shards_per_job``; returns ``uri``."""
+    jobs = [
+        {"shards": list(shards), "pipes_env": dict(pipes_envs[rank]) if rank < len(pipes_envs) else {}}
+        for rank, shards in enumerate(shards_per_job)
+    ]
+    storage.write_bytes(uri, json.dumps({"window_end": window_end, "jobs": jobs}).encode())
+    return uri
+
+
+def part_uris(output_uri: str) -> list[str]:
+    """The Parquet part files under ``output_uri``, in order."""
+    return [u for u in storage.list_uris(output_uri) if u.endswith(".parquet")]
+
+
+def read_parts(output_uri: str) -> pd.DataFrame:
+    """Every row of every part under ``output_uri``, with the name of its part in column ``part``."""
+    frames = [
+        pd.read_parquet(io.BytesIO(storage.read_bytes(uri))).assign(part=uri.rsplit("/", 1)[-1])
+        for uri in part_uris(output_uri)
+    ]
+    if not frames:
+        return pd.DataFrame(columns=["image_uri", "image_id", "caption", "model", "error", "part"])
+    return pd.concat(frames, ignore_index=True)
+
+
+def read_manifest(folder_uri: str) -> dict[str, Any] | None:
+    """The published manifest of ``folder_uri``, or None."""
+    uri = storage.join(folder_uri, storage.MANIFEST_NAME)
+    return json.loads(storage.read_bytes(uri)) if exists(uri) else None
+
+
+def file_pipes_env(messages: Path) -> dict[str, str]:
+    """Pipes bootstrap variables that make a program write its Pipes messages, one a line, to ``messages``.
+
+    What a Dagster session with a temp-file message reader passes, minus Dagster: the context goes
+    inline, so the job has an asset and a run to report for.
+    """
+    from dagster_pipes import encode_param
+
+    context = {
+        "asset_keys": ["caption"],
+        "code_version_by_asset_key": None,
+        "provenance_by_asset_key": None,
+        "partition_key": None,
+        "partition_key_range": None,
+        "partition_time_window": None,
+        "run_id": "test-run",
+        "job_name": None,
+        "retry_number": 0,
+        "extras": {},
+    }
+    return {
+        "DAGSTER_PIPES_CONTEXT": encode_param({"data": context}),
+        "DAGSTER_PIPES_MESSAGES": encode_param({"path": str(messages)}),
+    }
+
+
+def custom_messages(messages: Path) -> list[Any]:
+    """The payloads of the custom messages written to a Pipes messages file, in order."""
+    if not messages.exists():
+        return []
+    lines = [json.loads(line) for line in messages.read_text().splitlines() if line.strip()]
+    return [m["params"]["payload"] for m in lines if m["method"] == "report_custom_message"]
 
 
 def run_under_pipes(
@@ -135,3 +237,58 @@ def run_under_pipes(
 
     result = dg.materialize([_asset], instance=dg.DagsterInstance.ephemeral(), raise_on_error=False)
     return result, finished[0]
+
+
+def run_caption_batch_under_pipes(
+    batch_uri: str, shards_per_job: Sequence[Sequence[dict[str, str]]], **env: str
+) -> tuple[Any, list[subprocess.CompletedProcess[str]], list[Any]]:
+    """Materialize one asset whose body runs a caption batch, every job at once, under one Pipes session.
+
+    As the orchestrator does: a composite message reader with one temp-file reader per job, and each
+    job's own bootstrap variables in its entry of the batch file (``pipes_env``).
+
+    Returns:
+        (the ``dagster.materialize`` result, the finished jobs by rank, the custom messages received).
+    """
+    import dagster as dg  # only the Pipes tests pay for importing dagster
+
+    finished: list[subprocess.CompletedProcess[str]] = []
+    received: list[Any] = []
+    num_jobs = len(shards_per_job)
+
+    @dg.asset(name="caption")
+    def _asset(context):  # unannotated: dagster rejects the string annotations of this module
+        readers = [dg.PipesTempFileMessageReader() for _ in range(num_jobs)]
+        with dg.open_pipes_session(
+            context=context,
+            context_injector=dg.PipesTempFileContextInjector(),
+            message_reader=dg.PipesCompositeMessageReader(readers),
+        ) as session:
+            write_batch(batch_uri, shards_per_job, pipes_envs=session.get_per_writer_bootstrap_env_vars())
+            procs = [
+                subprocess.Popen(
+                    [sys.executable, "-m", "workloads.caption"],
+                    cwd=ROOT,
+                    env=base_env(
+                        CAPTION_BATCH_URI=batch_uri,
+                        SKYPILOT_JOB_RANK=str(rank),
+                        SKYPILOT_NUM_JOBS=str(num_jobs),
+                        **env,
+                    ),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+                for rank in range(num_jobs)
+            ]
+            _started.extend(procs)
+            for proc in procs:
+                stdout, stderr = proc.communicate(timeout=PATIENCE_S)
+                finished.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+        received.extend(session.get_custom_messages())
+        yield from session.get_results()
+
+    with warnings.catch_warnings():  # the composite reader is a preview feature; it is what we use
+        warnings.simplefilter("ignore", dg.PreviewWarning)
+        result = dg.materialize([_asset], instance=dg.DagsterInstance.ephemeral(), raise_on_error=False)
+    return result, finished, received

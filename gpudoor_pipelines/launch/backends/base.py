@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
+from collections.abc import Sequence
 from typing import Any
 
 from gpudoor_pipelines.launch.routing import Route, Usage
@@ -176,9 +177,40 @@ class Backend(abc.ABC):
     def cancel(self, job_id: str) -> None:
         """Asks for the job to be cancelled (returns at once)."""
 
+    def statuses(self, job_ids: Sequence[str]) -> dict[str, JobInfo]:
+        """The states of many jobs, in one request where the backend can (jobs it has no record of are left out)."""
+        out = {}
+        for job_id in job_ids:
+            try:
+                out[job_id] = self.status(job_id)
+            except KeyError:
+                continue
+        return out
+
+    @abc.abstractmethod
+    def submit_batch(self, job: ResolvedJob, num_jobs: int, *, pool_name: str, workers: int) -> list[str]:
+        """Launches ``num_jobs`` ranks of ``job`` on the warm pool ``pool_name`` of ``workers`` workers.
+
+        The pool is created, or grown, as needed; each worker runs the job's setup once. Every rank is
+        told ``SKYPILOT_JOB_RANK`` and ``SKYPILOT_NUM_JOBS``; at most ``workers`` run at once. Returns
+        the job ids in rank order.
+        """
+
+    def pool_workers(self, pool_name: str) -> int:
+        """How many workers the pool ``pool_name`` has now (0 when there is no such pool)."""
+        return 0
+
+    @abc.abstractmethod
+    def release_pool(self, pool_name: str) -> None:
+        """Gives a pool's workers back (their GPUs stop being held); its queued jobs are cancelled."""
+
     @abc.abstractmethod
     def usage(self) -> Usage:
         """GPUs (and CPU-only jobs' vCPUs) held by jobs that have not ended, per pool and per user."""
+
+    def free_gpus(self, route: Route) -> int | None:
+        """GPUs of the route's type the route's cluster reports free right now; None where it cannot tell."""
+        return None
 
     @abc.abstractmethod
     def start_service(self, job: ResolvedJob) -> Service:

@@ -9,6 +9,8 @@ process tree.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import secrets as pysecrets
@@ -16,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +39,12 @@ LOG_FILE = "run.log"
 STATE_FILE = "state.json"
 TASK_FILE = "task.json"
 RUNNER_FILE = "runner.json"
+# A warm pool's folder (under <home>/worker_pools/<name>/): its spec, its supervisor, queued jobs.
+POOL_FILE = "pool.json"
+SUPERVISOR_FILE = "supervisor.json"
+QUEUE_DIR = "queue"
+RELEASED_FILE = "released"
+_QUEUE_LOCK = "queue.lock"
 
 
 def default_home() -> Path:
@@ -48,6 +57,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
 
 
 def read_state(job_dir: Path) -> dict:
@@ -66,6 +82,38 @@ def write_state(job_dir: Path, **fields: object) -> dict:
     tmp.write_text(json.dumps(state))
     os.replace(tmp, job_dir / STATE_FILE)
     return state
+
+
+def write_json(path: Path, **fields: object) -> None:
+    """Replaces a small JSON file atomically."""
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(fields))
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def queue_lock(pool_dir: Path) -> Iterator[None]:
+    """Serializes queueing jobs with a pool deciding to stop (so no job is queued on a pool that is leaving)."""
+    with open(pool_dir / _QUEUE_LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def claim_next(pool_dir: Path, lock: threading.Lock) -> Path | None:
+    """Takes the oldest queued job of a pool off its queue; returns its folder (None if the queue is empty)."""
+    with lock:
+        entries = sorted((pool_dir / QUEUE_DIR).iterdir())
+        for entry in entries:
+            try:
+                target = Path(entry.read_text())
+                entry.unlink()
+            except FileNotFoundError:
+                continue
+            return target
+    return None
 
 
 def _alive(pid: int | None) -> bool:
@@ -110,12 +158,16 @@ class LocalBackend(Backend):
         home: state folder (default ``$GPUDOOR_HOME`` or ``~/.gpudoor``); jobs go under ``jobs/``,
             pool paths under ``pools/<pool>/``.
         python: interpreter whose folder is put first on the jobs' PATH (default: this one).
+        pool_idle_timeout_s: how long a warm pool with nothing queued waits for more jobs before it stops.
     """
 
     name = "local"
 
-    def __init__(self, home: str | Path | None = None, python: str | None = None) -> None:
+    def __init__(
+        self, home: str | Path | None = None, python: str | None = None, pool_idle_timeout_s: float = 30.0
+    ) -> None:
         self.home = Path(home) if home else default_home()
+        self.pool_idle_timeout_s = pool_idle_timeout_s
         self.jobs_root = self.home / "jobs"
         self.python = python or sys.executable
 
@@ -135,7 +187,8 @@ class LocalBackend(Backend):
                 out[key] = value
         return out
 
-    def _spawn(self, job: ResolvedJob, service: bool) -> str:
+    def _prepare(self, job: ResolvedJob, service: bool, **extra: object) -> tuple[str, Path]:
+        """Creates the job's folder: its task (secrets stripped) and its PENDING state."""
         job_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{pysecrets.token_hex(3)}"
         job_dir = self.job_dir(job_id)
         job_dir.mkdir(parents=True)
@@ -150,27 +203,112 @@ class LocalBackend(Backend):
         config["envs"] = envs
         (job_dir / TASK_FILE).write_text(
             json.dumps({"name": job.name, "pool": job.pool, "config": config, "workdir": job.workdir,
-                        "cluster_name": job.cluster_name, "service": service})
+                        "cluster_name": job.cluster_name, "service": service, **extra})
         )  # fmt: skip
         write_state(
             job_dir, state=JobState.PENDING.value, submitted_at=time.time(), name=job.name, pool=job.pool
         )
+        return job_id, job_dir
+
+    def _start(self, args: list[str], job: ResolvedJob, log_path: Path) -> int:
+        """Starts a runner in its own session; the job's secrets reach it through its environment only."""
         env = dict(os.environ)
-        env.update(job.secrets)  # Reach the runner through its environment only, never a file.
+        env.update(job.secrets)
         env["GPUDOOR_SECRET_NAMES"] = ",".join(sorted(job.secrets))
-        log = open(job_dir / "runner.stderr", "ab")
-        proc = subprocess.Popen(
-            [self.python, "-m", "gpudoor_pipelines.launch.backends.local_runner", str(job_dir)],
-            env=env,
-            cwd=job.workdir,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            start_new_session=True,
-        )
-        log.close()
-        (job_dir / RUNNER_FILE).write_text(json.dumps({"pid": proc.pid, "pgid": proc.pid}))
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                [self.python, "-m", "gpudoor_pipelines.launch.backends.local_runner", *args],
+                env=env,
+                cwd=job.workdir,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
+        return proc.pid
+
+    def _spawn(self, job: ResolvedJob, service: bool) -> str:
+        job_id, job_dir = self._prepare(job, service)
+        pid = self._start([str(job_dir)], job, job_dir / "runner.stderr")
+        write_json(job_dir / RUNNER_FILE, pid=pid, pgid=pid)
         return job_id
+
+    def submit_batch(self, job: ResolvedJob, num_jobs: int, *, pool_name: str, workers: int) -> list[str]:
+        """Queues ``num_jobs`` ranks of ``job`` on the warm pool ``pool_name`` (started, or grown, to ``workers``).
+
+        Like ``sky.jobs.launch(task, pool=..., num_jobs=...)``: each job is told ``SKYPILOT_JOB_RANK``
+        and ``SKYPILOT_NUM_JOBS``; at most ``workers`` run at once; each worker runs the setup once.
+        """
+        if job.num_nodes > 1:
+            raise ValueError(f"{job.name}: a pool runs single-node jobs, not {job.num_nodes} nodes")
+        pool_dir = self.pool_dir(pool_name)
+        (pool_dir / QUEUE_DIR).mkdir(parents=True, exist_ok=True)
+        accelerators = parse_accelerators((job.config.get("resources") or {}).get("accelerators"))
+        ids = []
+        with queue_lock(pool_dir):
+            supervisor = self._supervisor(pool_dir)
+            current = _read_json(pool_dir / POOL_FILE) if supervisor else {}
+            write_json(
+                pool_dir / POOL_FILE,
+                name=pool_name,
+                workers=max(workers, int(current.get("workers", 0))),
+                setup=job.config.get("setup"),
+                pool=job.pool,
+                user=job.labels.get(LABEL_USER, "unknown"),
+                gpus_per_worker=sum(accelerators.values()),
+                cpus_per_worker=parse_cpus((job.config.get("resources") or {}).get("cpus")),
+                idle_timeout_s=self.pool_idle_timeout_s,
+            )
+            (pool_dir / RELEASED_FILE).unlink(missing_ok=True)
+            if supervisor is None:
+                supervisor = self._start(["--pool", str(pool_dir)], job, pool_dir / "supervisor.stderr")
+                write_json(pool_dir / SUPERVISOR_FILE, pid=supervisor, exiting=False)
+            stamp = time.time_ns()
+            for rank in range(num_jobs):
+                job_id, job_dir = self._prepare(
+                    job, False, rank=rank, num_jobs=num_jobs, worker_pool=pool_name
+                )
+                write_json(job_dir / RUNNER_FILE, pid=supervisor)
+                (pool_dir / QUEUE_DIR / f"{stamp:020d}-{rank:06d}").write_text(str(job_dir))
+                ids.append(job_id)
+        return ids
+
+    def pool_dir(self, pool_name: str) -> Path:
+        """The folder of a warm pool."""
+        return self.home / "worker_pools" / pool_name
+
+    def _supervisor(self, pool_dir: Path) -> int | None:
+        """The pid of the pool's live supervisor that is not leaving, else None."""
+        record = _read_json(pool_dir / SUPERVISOR_FILE)
+        pid = record.get("pid")
+        return pid if _alive(pid) and not record.get("exiting") else None
+
+    def pool_workers(self, pool_name: str) -> int:
+        """Workers of the pool's live supervisor (0 when it has stopped)."""
+        pool_dir = self.pool_dir(pool_name)
+        if self._supervisor(pool_dir) is None:
+            return 0
+        return int(_read_json(pool_dir / POOL_FILE).get("workers", 0))
+
+    def release_pool(self, pool_name: str) -> None:
+        """Lets the pool stop once its running jobs end; its queued jobs are cancelled."""
+        pool_dir = self.pool_dir(pool_name)
+        if not pool_dir.is_dir():
+            return
+        with queue_lock(pool_dir):
+            for entry in (pool_dir / QUEUE_DIR).iterdir():
+                try:
+                    job_dir = Path(entry.read_text())
+                    entry.unlink()
+                except FileNotFoundError:
+                    continue
+                write_state(
+                    job_dir,
+                    state=JobState.CANCELLED.value,
+                    ended_at=time.time(),
+                    detail="its pool was released",
+                )
+            (pool_dir / RELEASED_FILE).touch()
 
     def submit(self, job: ResolvedJob) -> str:
         """Starts the job's runner and returns at once."""
@@ -260,15 +398,26 @@ class LocalBackend(Backend):
                 continue
             if not _alive(self._runner(job_dir.name).get("pid")):
                 continue
-            try:
-                task = json.loads((job_dir / TASK_FILE).read_text())
-            except (FileNotFoundError, json.JSONDecodeError):
+            task = _read_json(job_dir / TASK_FILE)
+            if not task or task.get("worker_pool"):  # a pool's jobs run on its workers, counted below
                 continue
             resources = task["config"].get("resources") or {}
             nodes = int(task["config"].get("num_nodes") or 1)
             gpus = sum(parse_accelerators(resources.get("accelerators")).values()) * nodes
             user = (resources.get("labels") or {}).get(LABEL_USER, "unknown")
             yield task["pool"], user, gpus, parse_cpus(resources.get("cpus")) * nodes
+        pools_root = self.home / "worker_pools"
+        for pool_dir in pools_root.iterdir() if pools_root.is_dir() else ():
+            if self._supervisor(pool_dir) is None:
+                continue
+            spec = _read_json(pool_dir / POOL_FILE)
+            workers = int(spec.get("workers", 0))
+            yield (
+                spec["pool"],
+                spec.get("user", "unknown"),
+                workers * int(spec.get("gpus_per_worker", 0)),
+                workers * int(spec.get("cpus_per_worker", 0)),
+            )
 
     def start_service(self, job: ResolvedJob) -> Service:
         """Starts a service; any earlier service on the same cluster name is stopped first."""

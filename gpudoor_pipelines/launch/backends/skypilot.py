@@ -13,6 +13,8 @@ import io
 import queue
 import re
 import threading
+import time
+from collections.abc import Sequence
 from typing import Any
 
 from gpudoor_pipelines.launch import sky_env
@@ -25,7 +27,7 @@ from gpudoor_pipelines.launch.backends.base import (
     Service,
 )
 from gpudoor_pipelines.launch.errors import LaunchConfigError
-from gpudoor_pipelines.launch.routing import Usage
+from gpudoor_pipelines.launch.routing import Route, Usage
 from gpudoor_pipelines.launch.rules import LABEL_POOL, LABEL_USER
 
 _QUEUE_FIELDS = [
@@ -34,6 +36,12 @@ _QUEUE_FIELDS = [
 ]  # fmt: skip
 _NODES = re.compile(r"^(\d+)x")
 _CPUS = re.compile(r"CPU:(\d+)")  # queue_v2 shows a CPU-only job as e.g. "1x[CPU:8+]"
+
+
+def _update_mode():
+    from sky.serve import serve_utils
+
+    return serve_utils.DEFAULT_UPDATE_MODE
 
 
 def _sky():
@@ -132,6 +140,7 @@ class SkyPilotBackend(Backend):
             )
         self.endpoint = endpoint.rstrip("/")
         self._token = token
+        self.pool_poll_s = 5.0
 
     def check(self) -> None:
         """Fails fast, before anything is submitted, when the API server does not answer.
@@ -204,31 +213,125 @@ class SkyPilotBackend(Backend):
 
     def status(self, job_id: str) -> JobInfo:
         """The managed job's record from ``sky.jobs.queue_v2``."""
-        r = self._record(int(job_id))
-        # queue_v2's `infra` leaves the zone out ("Slurm (cluster)"); a Slurm partition is the zone.
-        parts = [str(x) for x in (r.cloud, r.region, r.zone) if x]
-        infra = "/".join([parts[0].lower(), *parts[1:]]) if parts else (r.infra or "")
-        return JobInfo(
-            job_id=job_id,
-            state=_state(r.status),
-            name=r.job_name or "",
-            infra=infra,
-            recoveries=int(r.recovery_count or 0),
-            submitted_at=r.submitted_at,
-            started_at=r.start_at,
-            ended_at=r.end_at,
-            detail=r.failure_reason or r.details or "",
+        return _info(self._record(int(job_id)))
+
+    def statuses(self, job_ids: Sequence[str]) -> dict[str, JobInfo]:
+        """Many managed jobs' records from one ``sky.jobs.queue_v2`` request."""
+        if not job_ids:
+            return {}
+        sky = _sky()
+        records, *_ = sky.get(
+            sky.jobs.queue_v2(
+                refresh=False, all_users=True, job_ids=[int(i) for i in job_ids], fields=_QUEUE_FIELDS
+            )
         )
+        return {str(r.job_id): _info(r) for r in records}
+
+    # ----------------------------------------------------------------- warm pools
+    def submit_batch(self, job: ResolvedJob, num_jobs: int, *, pool_name: str, workers: int) -> list[str]:
+        """``sky.jobs.pool_apply`` (setup runs once per worker), then one ``sky.jobs.launch(pool=, num_jobs=)``."""
+        sky = _sky()
+        config = copy.deepcopy(job.config)
+        secrets = config.pop("secrets", None) or {}
+        # SkyPilot refuses job_recovery on a pool: the pool replaces a preempted worker itself, and the
+        # caller relaunches what the lost job had not finished.
+        if isinstance(config.get("resources"), dict):
+            config["resources"].pop("job_recovery", None)
+        current = self._pool(pool_name)
+        if current is None or int(current.get("target_num_replicas") or 0) < workers:
+            pool_config = {k: v for k, v in config.items() if k != "run"}
+            pool_config.update(name=pool_name, pool={"workers": workers})
+            pool_task = sky.Task.from_yaml_config(
+                pool_config, secrets_overrides=list(secrets.items()) or None
+            )
+            pool_task.workdir = job.workdir
+            with _refusals(job):
+                sky.get(sky.jobs.pool_apply(pool_task, pool_name, mode=_update_mode()))
+        self._wait_ready(pool_name)
+        # The job runs on the pool's workers: they decide where, and they already ran the setup.
+        job_config = {k: v for k, v in config.items() if k not in ("setup", "num_nodes")}
+        job_config["name"] = job.name
+        task = sky.Task.from_yaml_config(job_config, secrets_overrides=list(secrets.items()) or None)
+        task.workdir = job.workdir
+        with _refusals(job):
+            job_ids, _ = sky.get(sky.jobs.launch(task, name=job.name, pool=pool_name, num_jobs=num_jobs))
+        if len(job_ids or ()) != num_jobs:
+            raise RuntimeError(
+                f"SkyPilot returned {len(job_ids or ())} job ids for {num_jobs} jobs of {job.name}"
+            )
+        return [str(i) for i in job_ids]
+
+    def _pool(self, pool_name: str) -> dict | None:
+        sky = _sky()
+        try:
+            records = sky.get(sky.jobs.pool_status([pool_name]))
+        except Exception as e:  # noqa: BLE001 - SkyPilot raises a plain exception for an unknown pool
+            if "not found" in str(e).lower() or "does not exist" in str(e).lower():
+                return None
+            raise
+        return next((r for r in records or () if r.get("name") == pool_name), None)
+
+    def _wait_ready(self, pool_name: str, timeout_s: float = 900.0) -> None:
+        deadline = time.time() + timeout_s
+        while True:
+            record = self._pool(pool_name)
+            status = str(getattr(record and record.get("status"), "value", record and record.get("status")))
+            if status == "READY":
+                return
+            if status.startswith("FAILED") or time.time() > deadline:
+                raise RuntimeError(
+                    f"pool {pool_name} is {status} (not READY after {time.time() - deadline + timeout_s:.0f} s)"
+                )
+            time.sleep(self.pool_poll_s)
+
+    def pool_workers(self, pool_name: str) -> int:
+        """The pool's target number of workers, from ``sky.jobs.pool_status`` (0 when there is no such pool)."""
+        record = self._pool(pool_name)
+        return int(record.get("target_num_replicas") or 0) if record else 0
+
+    def release_pool(self, pool_name: str) -> None:
+        """``sky.jobs.pool_down`` of the pool (nothing if there is none)."""
+        sky = _sky()
+        if self._pool(pool_name) is None:
+            return
+        sky.get(sky.jobs.pool_down(pool_name))
+
+    def free_gpus(self, route: Route) -> int | None:
+        """What the route's Slurm cluster reports free of the route's GPU (``realtime_slurm_gpu_availability``)."""
+        parts = route.infra.split("/")
+        if parts[0] != "slurm" or len(parts) < 2 or not route.accelerator:
+            return None
+        from sky.client import sdk
+
+        try:
+            groups = _sky().get(
+                sdk.realtime_slurm_gpu_availability(
+                    slurm_cluster_name=parts[1], name_filter=route.accelerator
+                )
+            )
+        except Exception:  # noqa: BLE001 - availability is advice: fall back to the caps
+            return None
+        free = None
+        for _cluster, gpus, _error in groups or ():
+            for gpu, _counts, _capacity, available in gpus or ():
+                if str(gpu).lower() == route.accelerator.lower():
+                    free = (free or 0) + int(available)
+        return free
 
     def follow_logs(self, job_id: str) -> LogFollower:
         """Streams ``sky.jobs.tail_logs(follow=True)`` in a thread."""
         sky = _sky()
-        return _ThreadFollower(lambda out: sky.jobs.tail_logs(job_id=int(job_id), follow=True, output_stream=out))
+        return _ThreadFollower(
+            lambda out: sky.jobs.tail_logs(job_id=int(job_id), follow=True, output_stream=out)
+        )
 
     def log_tail(self, job_id: str, lines: int = 30) -> list[str]:
         """The last lines of the job's log."""
         sky = _sky()
-        return _tail(lambda out: sky.jobs.tail_logs(job_id=int(job_id), follow=False, tail=lines, output_stream=out), lines)
+        return _tail(
+            lambda out: sky.jobs.tail_logs(job_id=int(job_id), follow=False, tail=lines, output_stream=out),
+            lines,
+        )
 
     def cancel(self, job_id: str) -> None:
         """``sky.jobs.cancel`` of the job (returns once the request is accepted)."""
@@ -236,7 +339,8 @@ class SkyPilotBackend(Backend):
         sky.get(sky.jobs.cancel(job_ids=[int(job_id)]))
 
     def usage(self) -> Usage:
-        """GPUs (and CPU-only jobs' vCPUs) held by unfinished managed jobs, per pool and user label."""
+        """GPUs (and CPU-only jobs' vCPUs) held per pool and user label: by unfinished managed jobs, and by
+        the workers of warm pools (whose jobs the queue shows without labels: the workers hold the GPUs)."""
         sky = _sky()
         records, *_ = sky.get(
             sky.jobs.queue_v2(refresh=False, skip_finished=True, all_users=True, fields=_QUEUE_FIELDS)
@@ -250,7 +354,32 @@ class SkyPilotBackend(Backend):
             cpus = int(m.group(1)) if (m := _CPUS.search(r.resources or "")) else 0
             gpus = sum(int(v) for v in (r.accelerators or {}).values())
             held.append((labels[LABEL_POOL], labels.get(LABEL_USER, "unknown"), gpus * nodes, cpus * nodes))
+        held.extend(self._pool_workers_held())
         return Usage.tally(held)
+
+    def _pool_workers_held(self) -> list[tuple[str, str, int, int]]:
+        """(pool label, user label, GPUs, vCPUs) of every warm pool's workers, from its task's labels."""
+        import yaml
+
+        from gpudoor_pipelines.launch.specs import parse_accelerators
+
+        sky = _sky()
+        out = []
+        for record in sky.get(sky.jobs.pool_status(None)) or ():
+            status = str(getattr(record.get("status"), "value", record.get("status")))
+            if status in ("SHUTTING_DOWN", "FAILED_CLEANUP"):
+                continue
+            try:
+                resources = (yaml.safe_load(record.get("pool_yaml") or "") or {}).get("resources") or {}
+            except yaml.YAMLError:
+                continue
+            labels = resources.get("labels") or {}
+            if not labels.get(LABEL_POOL):
+                continue
+            workers = int(record.get("target_num_replicas") or 0)
+            gpus = sum(parse_accelerators(resources.get("accelerators")).values())
+            out.append((labels[LABEL_POOL], labels.get(LABEL_USER, "unknown"), workers * gpus, 0))
+        return out
 
     # ----------------------------------------------------------------- services (demos)
     def start_service(self, job: ResolvedJob) -> Service:
@@ -293,11 +422,18 @@ class _SkyService(Service):
 
     def follow_logs(self) -> LogFollower:
         sky = _sky()
-        return _ThreadFollower(lambda out: sky.tail_logs(self.cluster_name, int(self.job_id), follow=True, output_stream=out))
+        return _ThreadFollower(
+            lambda out: sky.tail_logs(self.cluster_name, int(self.job_id), follow=True, output_stream=out)
+        )
 
     def log_tail(self, lines: int = 30) -> list[str]:
         sky = _sky()
-        return _tail(lambda out: sky.tail_logs(self.cluster_name, int(self.job_id), follow=False, tail=lines, output_stream=out), lines)
+        return _tail(
+            lambda out: sky.tail_logs(
+                self.cluster_name, int(self.job_id), follow=False, tail=lines, output_stream=out
+            ),
+            lines,
+        )
 
     def url(self, port: int) -> str | None:
         """``sky.endpoints`` of the cluster's port."""
@@ -332,3 +468,21 @@ def _refusals(job: ResolvedJob):
     except (exceptions.ResourcesUnavailableError, ValueError) as e:
         raise LaunchConfigError(job.name, "resources", f"SkyPilot cannot place the job: {e}",
                                 "check the pool's infra and GPUs in task_specs/fleet.yaml") from None  # fmt: skip
+
+
+def _info(r: Any) -> JobInfo:
+    """A queue_v2 record as a JobInfo."""
+    # queue_v2's `infra` leaves the zone out ("Slurm (cluster)"); a Slurm partition is the zone.
+    parts = [str(x) for x in (r.cloud, r.region, r.zone) if x]
+    infra = "/".join([parts[0].lower(), *parts[1:]]) if parts else (r.infra or "")
+    return JobInfo(
+        job_id=str(r.job_id),
+        state=_state(r.status),
+        name=r.job_name or "",
+        infra=infra,
+        recoveries=int(r.recovery_count or 0),
+        submitted_at=r.submitted_at,
+        started_at=r.start_at,
+        ended_at=r.end_at,
+        detail=r.failure_reason or r.details or "",
+    )
