@@ -284,3 +284,40 @@ def test_the_local_backend_pool_is_given_back_after_the_night(tmp_path):
     while backend.usage().gpus and time.time() < deadline:
         time.sleep(0.1)
     assert backend.usage().gpus == {}
+
+
+def _hold_the_gpu(night: Night, seconds: int) -> str:
+    """Another job of the team holds the caption pool's one GPU for ``seconds``."""
+    from gpudoor_pipelines.launch.request import LaunchRequest, resolve
+    from gpudoor_pipelines.launch.specs import load_spec
+
+    request = LaunchRequest(spec=load_spec("caption", skypilot=False), inputs={}, env={}, user="someone-else", asset="other", partition=None)
+    job = resolve(request, night.skypilot.get_fleet())
+    job.config["run"] = f"sleep {seconds}"
+    job.config.pop("setup", None)
+    return LocalBackend(home=night.home).submit(job)
+
+
+def test_with_no_free_gpu_the_run_waits_then_gives_up_clearly(tmp_path):
+    night = Night(tmp_path, free_gpus=1)
+    assert night.materialize("dataset_shards", config={"num_images": 4, "shard_size": 4, "image_size": 16}).success
+    holder = _hold_the_gpu(night, 60)
+    try:
+        result = night.materialize("caption_shards", config={"wait_for_gpus_s": 2}, shards=night.shards)
+    finally:
+        LocalBackend(home=night.home).cancel(holder)
+    assert not result.success
+    message = next(e for e in result.all_events if e.is_step_failure).event_specific_data.error.message
+    assert "No free GPU" in message and "at its cap" in message and "Fix:" in message
+    assert night.batch_jobs() == [] and night.materialized() == set()  # nothing was launched
+
+
+def test_a_run_waits_for_a_gpu_to_free_up(tmp_path):
+    night = Night(tmp_path, free_gpus=1)
+    assert night.materialize("dataset_shards", config={"num_images": 4, "shard_size": 4, "image_size": 16}).success
+    _hold_the_gpu(night, 3)
+    result = night.materialize("caption_shards", config={"wait_for_gpus_s": 30}, shards=night.shards)
+    assert result.success
+    logs = [e.user_message for e in night.instance.all_logs(result.run_id)]
+    assert any("No free GPU for captioning" in m and "at its cap" in m and "waiting" in m for m in logs)
+    assert night.materialized() == set(night.shards)

@@ -164,7 +164,7 @@ def caption_shards(
         )
         if window_end is None:
             raise dg.Failure(
-                description=f"No free GPU for captioning within {config.wait_for_gpus_s:.0f} s; "
+                description=f"No free GPU for captioning within {config.wait_for_gpus_s:.0f} s ({report.no_gpu}); "
                 f"{len(report.left)} shards not captioned. Fix: free GPUs on the caption pools, or retry later.",
                 metadata=report.to_metadata(),
             )

@@ -60,6 +60,7 @@ class NightReport:
     max_workers: int = 0
     gpu_hours: float = 0.0
     cost_usd: float = 0.0
+    no_gpu: str = ""
 
     def to_metadata(self) -> dict[str, Any]:
         """A summary for the run's log and metadata."""
@@ -120,6 +121,7 @@ class CaptionNight:
         self.pool_name = f"gpudoor-caption-{slug(context.run.run_id, 8)}"
         self.report = NightReport()
         self._waited_s = 0.0
+        self._waits = 0
         self._job: ResolvedJob | None = None
         self._job_ids: list[str] = []
 
@@ -281,8 +283,11 @@ class CaptionNight:
             limit = min(limit, self.window_end.timestamp() - self.clock())
         if waited >= limit:
             self.context.log.warning(f"No free GPU for captioning ({reason}); giving up for now.")
+            self.report.no_gpu = reason
             return False
-        step = min(30.0, max(1.0, limit - waited))
+        # Back off from 2 s to 30 s: a GPU freed soon is taken soon, and a long wait costs few requests.
+        step = max(0.5, min(30.0, 2.0 * 2 ** self._waits, limit - waited))
+        self._waits += 1
         self.context.log.info(f"No free GPU for captioning ({reason}); waiting {step:.0f} s.")
         time.sleep(step)
         self._waited_s = waited + step

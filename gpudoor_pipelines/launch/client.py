@@ -548,12 +548,11 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
             fleet = self.get_fleet()
             usage = backend.usage()
             own = backend.pool_workers(pool_name)
+            job = resolve(request, fleet)  # fails here when no pool could ever take the job
+        if not own:  # a new pool goes where there is room now (the route spills over full pools)
             try:
-                job = resolve(request, fleet, usage=usage if not own else None)
-            except LaunchConfigError as e:
-                if "at its cap" not in e.problem and "per-user cap" not in e.problem:
-                    raise
-                job = resolve(request, fleet)  # every pool is full: plan on the first, with no worker
+                job = resolve(request, fleet, usage=usage)
+            except LaunchConfigError as e:  # every pool of the route is full right now
                 return BatchPlan(job=job, workers=0, free_gpus=0, reason=e.problem)
         assert job.route is not None
         pool = fleet.pools[job.pool]
