@@ -125,11 +125,11 @@ def definitions_load(registered: int, repeat: int = 5) -> dict:
             loads.append(time.perf_counter() - t0)
             schedule = defs.get_schedule_def("nightly_captioning_schedule")
             start = datetime.datetime(2026, 12, 1, 1, 0, tzinfo=datetime.UTC)
-            context = dg.build_schedule_context(instance=instance, scheduled_execution_time=start,
-                                                resources={"transit": TransitBucketResource(kind="local", local_root=tmp)})  # fmt: skip
-            t0 = time.perf_counter()
-            schedule.evaluate_tick(context)
-            ticks.append(time.perf_counter() - t0)
+            transit = TransitBucketResource(kind="local", local_root=tmp)
+            with dg.build_schedule_context(instance=instance, scheduled_execution_time=start, resources={"transit": transit}) as context:
+                t0 = time.perf_counter()
+                schedule.evaluate_tick(context)
+                ticks.append(time.perf_counter() - t0)
     return {"registered": registered, "load_s": statistics.median(loads), "tick_s": statistics.median(ticks)}
 
 

@@ -68,8 +68,9 @@ def test_nightly_schedule_requests_the_shards_not_captioned_in_the_window(tmp_pa
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(SHARDS, [f"sample-{i:05d}" for i in range(4)])
         start = datetime.datetime(2026, 11, 30, 1, 0, tzinfo=datetime.timezone(datetime.timedelta(hours=1)))
-        context = dg.build_schedule_context(instance=instance, scheduled_execution_time=start, resources={"transit": transit})
-        requests = list(schedule.evaluate_tick(context).run_requests or [])
+        # As a context manager: its resources are built and torn down inside the instance's lifetime.
+        with dg.build_schedule_context(instance=instance, scheduled_execution_time=start, resources={"transit": transit}) as context:
+            requests = list(schedule.evaluate_tick(context).run_requests or [])
     assert len(requests) == 1
     tags = requests[0].tags
     assert (tags["dagster/asset_partition_range_start"], tags["dagster/asset_partition_range_end"]) == ("sample-00000", "sample-00003")
