@@ -1,8 +1,8 @@
 """Benchmark: short shard jobs through a warm pool against as many separate managed jobs, on the test bed.
 
 Runs on the Slurm test bed (``bash testbed/up.sh`` first, as root; ``source testbed/.state/env``).
-In one process, the same ``--shards`` (50) shards of ``--seconds`` (5) seconds of work each, on the
-same GPU slots (``--workers``, 2 L4s of the bed's onprem partition), three ways:
+In one process, the same ``--shards`` (50) shards of ``--seconds`` (5) seconds of work each, on as
+many GPU slots (``--workers``, 2), three ways:
 
 * ``separate``: one managed job per shard (``sky.jobs.launch`` each, all submitted at once): the
   baseline, what one Dagster run per shard gave;
@@ -12,6 +12,8 @@ same GPU slots (``--workers``, 2 L4s of the bed's onprem partition), three ways:
 
 Each is timed from the first request to the last job's end; prints the three and the ratios against
 ``separate``. The jobs go through the project's SkyPilot backend (routing, fleet rules, admin policy).
+To fit a session, ``separate`` runs on the bed's two H200s while ``pool`` then ``packed`` run on its
+two L4s, side by side: both sides share the one API server and jobs controller, as a team's jobs do.
 
     .venv/bin/python benchmarks/pool_vs_jobs.py [--shards 50] [--seconds 5] [--workers 2]
 """
@@ -19,6 +21,7 @@ Each is timed from the first request to the last job's end; prints the three and
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import sys
 import tempfile
@@ -44,12 +47,14 @@ RUN = (
 )
 
 
-def _job(specs: Path, name: str, shards: int, seconds: int):
-    (specs / "caption.yaml").write_text(yaml.safe_dump({
-        "name": name, "resources": {"accelerators": "L4:1"}, "setup": "echo warm",
+def _job(specs: Path, name: str, shards: int, seconds: int, gpu: str):
+    folder = specs / name
+    folder.mkdir()
+    (folder / "caption.yaml").write_text(yaml.safe_dump({
+        "name": name, "resources": {"accelerators": f"{gpu}:1"}, "setup": "echo warm",
         "envs": {"SHARDS": shards, "SECONDS_PER_SHARD": seconds}, "run": RUN,
     }))  # fmt: skip
-    spec = load_spec("caption", str(specs))
+    spec = load_spec("caption", str(folder))
     request = LaunchRequest(spec=spec, inputs={}, env={}, user=os.environ.get("USER", "bench"), asset=name, partition=None)
     return resolve(request, load_fleet(str(REPO / "testbed" / "fleet.yaml")))
 
@@ -89,18 +94,25 @@ def main() -> None:
     args = parser.parse_args()
     backend = SkyPilotBackend(os.environ["SKYPILOT_API_SERVER_ENDPOINT"])
     backend.check()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, concurrent.futures.ThreadPoolExecutor(2) as threads:
         specs = Path(tmp)
-        one = _job(specs, "bench-separate", 1, args.seconds)
-        shared = _job(specs, "bench-pool", args.shards, args.seconds)
-        t_sep = separate(backend, one, args.shards)
-        print(f"separate: {args.shards} managed jobs, {t_sep:.0f} s", flush=True)
-        t_pool = on_pool(backend, shared, args.shards, args.workers, "bench-pool-each")
-        print(f"pool: {args.shards} jobs on {args.workers} warm workers, {t_pool:.0f} s (ratio {t_pool / t_sep:.2f})", flush=True)
+        one = _job(specs, "bench-separate", 1, args.seconds, "H200")
+        shared = _job(specs, "bench-pool", args.shards, args.seconds, "L4")
         packed_jobs = min(args.shards, args.workers * JOBS_PER_WORKER)
-        t_packed = on_pool(backend, shared, packed_jobs, args.workers, "bench-pool-packed")
-        print(f"packed: {args.shards} shards in {packed_jobs} jobs on {args.workers} warm workers, "
-              f"{t_packed:.0f} s (ratio {t_packed / t_sep:.2f})", flush=True)  # fmt: skip
+
+        def pools() -> tuple[float, float]:
+            t_pool = on_pool(backend, shared, args.shards, args.workers, "bench-pool-each")
+            print(f"pool: {args.shards} jobs on {args.workers} warm workers, {t_pool:.0f} s", flush=True)
+            t_packed = on_pool(backend, shared, packed_jobs, args.workers, "bench-pool-packed")
+            print(f"packed: {args.shards} shards in {packed_jobs} jobs on {args.workers} warm workers, {t_packed:.0f} s", flush=True)
+            return t_pool, t_packed
+
+        baseline = threads.submit(separate, backend, one, args.shards)
+        pooled = threads.submit(pools)
+        t_sep = baseline.result()
+        print(f"separate: {args.shards} managed jobs, {t_sep:.0f} s", flush=True)
+        t_pool, t_packed = pooled.result()
+    print(f"ratios against separate managed jobs: pool {t_pool / t_sep:.2f}, packed {t_packed / t_sep:.2f}")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -102,17 +101,19 @@ def queue_lock(pool_dir: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def claim_next(pool_dir: Path, lock: threading.Lock) -> Path | None:
-    """Takes the oldest queued job of a pool off its queue; returns its folder (None if the queue is empty)."""
-    with lock:
-        entries = sorted((pool_dir / QUEUE_DIR).iterdir())
-        for entry in entries:
-            try:
-                target = Path(entry.read_text())
-                entry.unlink()
-            except FileNotFoundError:
-                continue
-            return target
+def claim_next(pool_dir: Path) -> Path | None:
+    """Takes the oldest queued job of a pool off its queue; returns its folder (None if the queue is empty).
+
+    One pool process claims for all its slots (callers hold its lock); a job released meanwhile is
+    simply gone from the queue.
+    """
+    for entry in sorted((pool_dir / QUEUE_DIR).iterdir()):
+        try:
+            target = Path(entry.read_text())
+            entry.unlink()
+        except FileNotFoundError:
+            continue
+        return target
     return None
 
 

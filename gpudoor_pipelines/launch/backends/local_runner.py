@@ -186,12 +186,13 @@ def pool_main(pool_dir_arg: str) -> int:
     def slot(index: int) -> None:
         warm = False
         while not stop.is_set():
-            job_dir = claim_next(pool_dir, lock)
+            with lock:  # claimed and busy at once: the pool never sees an empty queue and idle slots between
+                job_dir = claim_next(pool_dir)
+                if job_dir is not None:
+                    busy.add(index)
             if job_dir is None:
                 time.sleep(0.1)
                 continue
-            with lock:
-                busy.add(index)
             try:
                 warm = _run_pooled(job_dir, json.loads((pool_dir / POOL_FILE).read_text()), warm, index)
             finally:
