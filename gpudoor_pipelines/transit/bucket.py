@@ -187,13 +187,42 @@ class LocalTransitBucket(TransitBucket):
         with concurrent.futures.ThreadPoolExecutor(min(16, len(items))) as pool:
             list(pool.map(lambda item: _atomic_write(self.path_of(item[0]), item[1]), items.items()))
 
-    def _listed(self, prefix: str, start_after: str | None) -> list[str]:
-        prefix, keys = prefix.lstrip("/"), []
-        for folder, _, names in os.walk(self.path_of(prefix.rsplit("/", 1)[0] if "/" in prefix else "")):
-            rel = Path(folder).relative_to(self.root).as_posix() + "/"
-            keys += [("" if rel == "./" else rel) + n for n in names if not n.startswith(TMP_PREFIX)]
-        after = start_after or ""  # str order is code point order, which is UTF-8 byte order, S3's
-        return sorted(k for k in keys if k.startswith(prefix) and k > after)
+    def _listed(self, prefix: str, start_after: str | None) -> Iterator[str]:
+        """Keys starting with ``prefix`` and greater than ``start_after``, sorted, lazily: from the folder
+        named by ``prefix`` up to its last '/', one scandir per folder that can hold such a key."""
+        prefix = prefix.lstrip("/")
+        base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        # str order is code point order, which is UTF-8 byte order, S3's
+        yield from self._walk(self.path_of(base), _folder(base), prefix, start_after or "")
+
+    def _walk(self, folder: Path, rel: str, prefix: str, after: str) -> Iterator[str]:
+        """The keys of :meth:`_listed` under ``folder`` (whose keys start with ``rel``). Entries sort by
+        what they put before the rest of their keys (``name/`` for a folder, ``name`` for a file), so
+        the keys of one entry all sort before those of the next; entries whose keys all are at or
+        before ``after``, or none of which can start with ``prefix``, are skipped unopened."""
+        entries: list[tuple[str, str, bool]] = []  # (head of its keys, name, is a folder)
+        try:
+            with os.scandir(folder) as it:  # read whole, then closed: no folder held open while yielding
+                for entry in it:
+                    try:
+                        is_dir = entry.is_dir()
+                    except OSError:
+                        is_dir = False
+                    if is_dir and entry.is_symlink():  # os.walk's default: neither listed nor followed
+                        continue
+                    if is_dir or not entry.name.startswith(TMP_PREFIX):
+                        entries.append((rel + entry.name + ("/" if is_dir else ""), entry.name, is_dir))
+        except OSError:  # gone, unreadable or not a folder: no keys, as with os.walk
+            return
+        entries.sort()
+        for head, name, is_dir in entries:
+            if not is_dir:
+                if head > after and head.startswith(prefix):
+                    yield head
+            elif (head > after or after.startswith(head)) and (
+                head.startswith(prefix) or prefix.startswith(head)
+            ):
+                yield from self._walk(folder / name, head, prefix, after)
 
     def list_keys(self, prefix: str = "", start_after: str | None = None) -> Iterator[str]:
         yield from self._listed(prefix, start_after)  # no stat per file: listings of many keys stay cheap

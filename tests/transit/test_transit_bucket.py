@@ -275,3 +275,93 @@ def test_storage_layer_and_workloads_import_without_dagster():
         [sys.executable, "-c", _IMPORTS], cwd=REPO, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr
+
+
+# Local listings: tricky sibling names ('a' sorts before 'a-b' < 'a.b' < 'a/' < 'a0' < 'ab'), files and
+# folders of those names, unicode (2- and 4-byte UTF-8) and deep paths
+_TRICKY_KEYS = [
+    *("a", "a-b", "a.b", "a0", "ab", "Z", "\u00e9/x", "\u00e9e", "\U0001f600"),
+    *("d/a/b/c", "d/a/b-c", "d/a/b0", "d/a/x", "d/a-b", "d/a.b/x", "d/a0", "d/ab/y", "d/e", "d/\u00e9/x"),
+    *("e/a/b", "e/a/b-c", "e/a/b.c", "e/a/b0/x", "e/a0/b"),
+    *("deep/1/2/3/4/5/6/leaf", "deep/1/2/3/4/5/6/leaf2", "deep/1/2/x", "deep/1/2/3/4/5/y"),
+]
+
+
+def _tricky_bucket(tmp_path: Path) -> tuple[LocalTransitBucket, list[str]]:
+    b = LocalTransitBucket(tmp_path / "root")
+    _write_tree(b.root, {k: k.encode() for k in _TRICKY_KEYS})
+    # temp files (writes in flight) beside the keys, at every level
+    _write_tree(b.root, {f"{TMP_PREFIX}x": b"", f"d/a/{TMP_PREFIX}b": b"", f"deep/1/2/{TMP_PREFIX}z": b""})
+    folders = {k.rsplit("/", i)[0] for k in _TRICKY_KEYS for i in range(1, k.count("/") + 1)}
+    return b, sorted(folders)
+
+
+def test_local_list_keys_matches_sorted_filter(tmp_path):
+    b, folders = _tricky_bucket(tmp_path)
+    keys = sorted(_TRICKY_KEYS)
+    between = ["a-", "a/", "d/a/b/b", "d/a/bz", "d/a0/", "deep/1/2/3/4/5/6/leaf1", "e/a/b/", "e/a/b/x"]
+    starts = [None, "", *keys, *folders, *(f + "/" for f in folders), *between, "\U0010ffff", "~"]
+    starts += [k[:-1] for k in keys]  # mid-name
+    prefixes = ["", "/", "a", "a/", "d", "d/", "d/a", "d/a/", "d/a/b", "d/a/b/", "d/a.", "e/a/b", "e/a/b/"]
+    prefixes += ["\u00e9", "deep/1/2/3", "deep/1/2/3/", "nope/", "nope", "/d/a", "Z", "zz", "d/\u00e9/"]
+    prefixes += [k[:-1] for k in keys] + keys
+    for prefix in prefixes:
+        for after in starts:
+            expected = [k for k in keys if k.startswith(prefix.lstrip("/")) and k > (after or "")]
+            assert list(b.list_keys(prefix, start_after=after)) == expected, (prefix, after)
+    assert [k for k, _ in b.list_sized("d/a/", start_after="d/a/b-c")] == ["d/a/b/c", "d/a/b0", "d/a/x"]
+    assert list(b.list_sized("e/a/b")) == [(k, len(k)) for k in keys if k.startswith("e/a/b")]
+
+
+def test_local_list_keys_never_lists_temp_files_or_folders(tmp_path):
+    b, folders = _tricky_bucket(tmp_path)
+    listed = list(b.list_keys())
+    assert listed == sorted(_TRICKY_KEYS)
+    assert not any(k.rsplit("/", 1)[-1].startswith(TMP_PREFIX) for k in listed)
+    assert not set(listed) & set(folders)
+    assert [k for k, _ in b.list_sized()] == listed
+
+
+def test_local_list_keys_links_as_os_walk(tmp_path):
+    b = LocalTransitBucket(tmp_path / "root")
+    _write_tree(b.root, {"real/x": b"x", "f": b"f"})
+    (b.root / "link-dir").symlink_to(b.root / "real")  # a link to a folder: neither listed nor followed
+    (b.root / "link-file").symlink_to(b.root / "f")  # to a file: listed
+    (b.root / "dangling").symlink_to(b.root / "gone")  # dangling: listed, size 0
+    assert list(b.list_keys()) == ["dangling", "f", "link-file", "real/x"]
+    assert list(b.list_sized()) == [("dangling", 0), ("f", 1), ("link-file", 1), ("real/x", 1)]
+    assert list(b.list_keys("f/")) == [] and list(b.list_keys("gone/")) == []
+
+
+def test_local_list_keys_scans_only_what_it_yields(tmp_path, monkeypatch):
+    import gpudoor_pipelines.transit.bucket as bucket_module
+
+    b = LocalTransitBucket(tmp_path / "root")
+    steps = [f"checkpoints/training-{t:03d}/step-{s:06d}" for t in range(100) for s in range(0, 5000, 100)]
+    for step in steps:
+        (b.root / step).mkdir(parents=True)
+        (b.root / step / "model.pt").write_bytes(b"")
+        (b.root / step / MANIFEST_NAME).write_bytes(b"{}")
+    keys = sorted(f"{step}/{name}" for step in steps for name in ("model.pt", MANIFEST_NAME))
+    assert len(keys) == 10_000
+
+    scanned: list[str] = []
+    scandir = os.scandir
+
+    def counting_scandir(path):
+        scanned.append(os.fspath(path))
+        return scandir(path)
+
+    monkeypatch.setattr(bucket_module.os, "scandir", counting_scandir)
+    # a sensor's call with its cursor near the end: the work is that of the 9 new keys, not of 10,000
+    assert list(b.list_keys("checkpoints/", start_after=keys[-10])) == keys[-9:]
+    assert len(scanned) <= 10, scanned
+    scanned.clear()
+    listing = b.list_keys("checkpoints/")
+    assert [next(listing) for _ in range(3)] == keys[:3]
+    assert len(scanned) <= 5, scanned
+    listing.close()
+    scanned.clear()
+    assert list(b.list_keys("checkpoints/", start_after=keys[4999])) == keys[5000:]
+    # checkpoints/, training-049 and its last step (the cursor's path), then the 50 trainings after it
+    assert len(scanned) == 3 + 50 * (1 + 50), len(scanned)
