@@ -20,6 +20,14 @@ Environment:
     DIST_TIMEOUT_S: seconds to wait for the other nodes before failing (default 60).
     WORKLOAD_THROTTLE_S: seconds to pause after each step (default 0); lets tests and demos
         interrupt a run midway.
+    ENDED_MARKER_URI: optional; where rank 0 writes, once the training is over, the JSON
+        ``{"state": "succeeded" | "failed", "reason": str or null, "step": the last complete
+        checkpoint's step or null, "at": UTC ISO time}``. Succeeded: MAX_STEPS reached (by this run or
+        an earlier one). Failed: a configuration error found once the environment is read (exit 2),
+        which a restart cannot fix. Not written on a TrainingError or a crash (SkyPilot may restart the
+        job on an error, and it resumes; the orchestrator records the failure once the managed job is
+        over), nor on a signal (a preempted job is recovered and resumes). Never written in smoke mode.
+        A marker that cannot be written is reported on stderr and changes nothing else.
 
 Every rank resumes from the newest complete checkpoint in OUTPUT_URI (``resuming from step N``);
 when that checkpoint already reaches MAX_STEPS the program exits 0 at once, before loading torch.
@@ -29,24 +37,53 @@ Rank 0 alone writes checkpoints and reports to Dagster: ``steps``, ``final_loss`
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
 
+from gpudoor_pipelines.transit.bucket import bucket_for_uri, write_bytes
 from workloads.checkpoints import latest_checkpoint, read_manifest
 from workloads.config import ConfigError, env_flag, env_float, env_int, env_str, node_rank, run_main
 from workloads.reporting import open_reporting
 
 
-def main() -> int:
-    """Train to MAX_STEPS from the latest complete checkpoint, checkpointing on the way."""
+@dataclass(frozen=True)
+class Ending:
+    """How a training ended, for the ended marker: ``state`` succeeded or failed."""
+
+    state: str
+    reason: str | None = None
+    step: int | None = None  # the last complete checkpoint; None: look it up in storage
+
+
+def log(message: str) -> None:
+    """A line for the job log; the launcher streams it into Dagster and prefixes the rank."""
+    print(message, flush=True)
+
+
+def read_settings() -> tuple[dict[str, Any], str | None]:
+    """This node's settings, from the environment (checked in :func:`run`), and ENDED_MARKER_URI.
+
+    Raises:
+        ConfigError: a variable is missing or not a number, or the nodes do not add up.
+    """
     rank, world = node_rank(), env_int("SKYPILOT_NUM_NODES", 1)
     node_ips = os.environ.get("SKYPILOT_NODE_IPS", "").split()
     if world > 1 and not node_ips:
         raise ConfigError("SKYPILOT_NODE_IPS is required when SKYPILOT_NUM_NODES > 1")
     if not 0 <= rank < world:
         raise ConfigError(f"SKYPILOT_NODE_RANK={rank} is outside 0..{world - 1} (SKYPILOT_NUM_NODES={world})")
-    settings = dict(
+    ended_marker_uri = os.environ.get("ENDED_MARKER_URI", "").strip() or None
+    if ended_marker_uri:
+        try:
+            bucket_for_uri(ended_marker_uri)  # a bad scheme is found now, not once the training is over
+        except ValueError as exc:
+            raise ConfigError(f"ENDED_MARKER_URI: {exc}") from None
+    return dict(
         dataset_uri=env_str("DATASET_URI"),
         output_uri=env_str("OUTPUT_URI"),
         checkpoints_dir=env_str(
@@ -63,16 +100,49 @@ def main() -> int:
         master_addr=node_ips[0] if node_ips else "127.0.0.1",
         master_port=env_int("MASTER_PORT", 29500),
         dist_timeout_s=env_int("DIST_TIMEOUT_S", 60),
-    )
+    ), ended_marker_uri
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line, for the marker."""
+    return " ".join(text.split())
+
+
+def write_ended_marker(uri: str, output_uri: str, ending: Ending) -> None:
+    """Write the ended marker; a failure to is reported on stderr, never raised."""
+    try:
+        step = ending.step
+        if step is None:
+            try:
+                latest = latest_checkpoint(output_uri)
+            except Exception as exc:  # the storage may be what failed the training
+                print(f"cannot list the checkpoints in {output_uri}: {exc}", file=sys.stderr, flush=True)
+                latest = None
+            step = latest[0] if latest else None
+        marker = {
+            "state": ending.state,
+            "reason": ending.reason,
+            "step": step,
+            "at": datetime.now(UTC).isoformat(),
+        }
+        write_bytes(uri, json.dumps(marker).encode())
+        log(f"training {ending.state}: marker written to {uri}")
+    except Exception as exc:
+        print(
+            f"cannot write the ended marker {uri}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True
+        )
+
+
+def run(settings: dict[str, Any]) -> Ending:
+    """Train to MAX_STEPS from the latest complete checkpoint, checkpointing on the way.
+
+    Raises:
+        ConfigError: the settings are unusable.
+    """
     if min(settings["max_steps"], settings["checkpoint_every"], settings["batch_size"]) < 1:
         raise ConfigError("MAX_STEPS, CHECKPOINT_EVERY and BATCH_SIZE must be >= 1")
 
     with open_reporting() as reporter:
-
-        def log(message: str) -> None:
-            """A line for the job log; the launcher streams it into Dagster and prefixes the rank."""
-            print(message, flush=True)
-
         # Every rank reads storage before any rank can write to it (rank 0 writes only once all
         # ranks have joined the process group), so all ranks resume from the same step.
         latest = None if settings["smoke"] else latest_checkpoint(settings["output_uri"])
@@ -88,7 +158,7 @@ def main() -> int:
                     "resumed_from_step": latest[0],
                 }
             )
-            return 0
+            return Ending("succeeded", step=latest[0])
 
         # Imported only now: torch takes seconds to load, which a finished run should not wait for.
         from workloads.training import TrainingError, TrainSettings, train
@@ -97,7 +167,7 @@ def main() -> int:
             result = train(TrainSettings(**settings), latest[1] if latest else None, log)
         except TrainingError as exc:
             print(str(exc), file=sys.stderr, flush=True)
-            return 1
+            return Ending("failed", reason=one_line(str(exc)))
         log(f"finished at step {settings['max_steps']}; final loss {result.final_loss:.4f}")
         reporter.report_asset_materialization(
             metadata={
@@ -107,7 +177,26 @@ def main() -> int:
                 "resumed_from_step": result.resumed_from_step,
             }
         )
-    return 0
+    return Ending("succeeded", step=settings["max_steps"])
+
+
+def main() -> int:
+    """Train, then (rank 0, when ENDED_MARKER_URI is set, not in smoke mode) mark how it ended."""
+    settings, marker_uri = read_settings()
+    if settings["rank"] != 0 or settings["smoke"]:
+        marker_uri = None  # one marker per training; a smoke test is not the training
+    try:
+        ending = run(settings)
+    except ConfigError as exc:  # bad settings: a restart of the job fails the same way
+        if marker_uri:
+            write_ended_marker(marker_uri, settings["output_uri"], Ending("failed", one_line(f"configuration error: {exc}")))
+        raise
+    # A failed run (a TrainingError, a crash) writes no marker: SkyPilot may restart the job on an
+    # error (the task's job_recovery), and it resumes. The orchestrator records the failure once the
+    # managed job is over. Neither does a signal (a preempted job is recovered and resumes).
+    if marker_uri and ending.state == "succeeded":
+        write_ended_marker(marker_uri, settings["output_uri"], ending)
+    return 0 if ending.state == "succeeded" else 1
 
 
 if __name__ == "__main__":

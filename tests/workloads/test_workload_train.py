@@ -1,11 +1,28 @@
-"""train.py: checkpoints with manifests, resume after a kill, two ranks together, smoke mode."""
+"""train.py: checkpoints with manifests, resume after a kill, two ranks together, smoke mode, ended marker."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+from datetime import UTC, datetime, timedelta
 
-from workload_helpers import CHECKPOINT_EVERY, MAX_STEPS, run_workload
+import pandas as pd
+import pytest
+from workload_helpers import (
+    CHECKPOINT_EVERY,
+    MAX_STEPS,
+    PATIENCE_S,
+    ROOT,
+    base_env,
+    exists,
+    run_workload,
+    start_workload,
+    wait_for,
+)
 
 from gpudoor_pipelines.transit import bucket as storage
 
@@ -68,3 +85,184 @@ def test_missing_node_ips_is_a_config_error(dataset, bucket):
     )
     assert proc.returncode == 2
     assert "SKYPILOT_NODE_IPS" in proc.stderr
+
+
+# The ended marker (ENDED_MARKER_URI): written by rank 0 once a training is over, never on a signal.
+
+
+def _marker(uri: str) -> dict | None:
+    return json.loads(storage.read_bytes(uri)) if exists(uri) else None
+
+
+@pytest.fixture(scope="module")
+def ended_runs(bucket: str, dataset: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Short trainings with ENDED_MARKER_URI set, each into a prefix of its own, mostly run at once.
+
+    "ok" trains 4 steps, then "again" (the same training, a marker of its own) and "rank1" (rank 1 of
+    two nodes) start once more with nothing to do; "config" has CHECKPOINT_EVERY=0; "no_data" has
+    no usable caption (a TrainingError); "no_dataset" a DATASET_URI with no object (an exception);
+    "smoke" is a smoke test; "sigterm" and "sigint" are throttled runs signalled after a checkpoint.
+
+    Returns:
+        name -> (exit code, log, marker URI, output URI).
+    """
+    root = storage.join(bucket, "ended")
+    logs = tmp_path_factory.mktemp("ended")
+    no_data = storage.join(root, "no-captions.parquet")
+    path = no_data.removeprefix("file://")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    pd.DataFrame(
+        {"image_id": ["img-0"], "image_uri": [storage.join(root, "img-0.png")], "caption": ["nothing"]}
+    ).to_parquet(path)
+
+    def env(name: str, **overrides: str) -> dict[str, str]:
+        return {
+            "DATASET_URI": dataset,
+            "OUTPUT_URI": storage.join(root, name, "checkpoints"),
+            "CHECKPOINTS_DIR": str(logs / name / "scratch"),
+            "ENDED_MARKER_URI": storage.join(root, name, "ended.json"),
+            "MAX_STEPS": "4",
+            "CHECKPOINT_EVERY": "2",
+            "BATCH_SIZE": "8",
+            **overrides,
+        }
+
+    envs = {
+        "ok": env("ok"),
+        "config": env("config", CHECKPOINT_EVERY="0"),
+        "no_data": env("no_data", DATASET_URI=no_data),
+        "no_dataset": env("no_dataset", DATASET_URI=storage.join(root, "gone.parquet")),
+        "smoke": env("smoke", SMOKE_TEST="1"),
+    }
+    signalled = {"sigterm": signal.SIGTERM, "sigint": signal.SIGINT}
+    for name in signalled:
+        envs[name] = env(name, MAX_STEPS="1000", WORKLOAD_THROTTLE_S="0.05")
+    procs = {}
+    for name, run_env in envs.items():
+        if name == "sigint":
+            # Started by hand: a background shell starts its children with SIGINT ignored, and then
+            # Python keeps it ignored; the job must see a ^C as a KeyboardInterrupt.
+            with open(logs / f"{name}.log", "wb") as out:
+                procs[name] = subprocess.Popen(
+                    [sys.executable, "-m", "workloads.train"],
+                    cwd=ROOT,
+                    env=base_env(**run_env),
+                    stdout=out,
+                    stderr=out,
+                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+                )
+        else:
+            procs[name] = start_workload("train", logs / f"{name}.log", **run_env)
+    try:
+        for name, signum in signalled.items():
+            first = storage.join(envs[name]["OUTPUT_URI"], "step-000002", storage.MANIFEST_NAME)
+            wait_for(lambda uri=first: exists(uri), procs[name], "the first checkpoint", logs / f"{name}.log")
+            procs[name].send_signal(signum)
+        codes = {name: proc.wait(timeout=PATIENCE_S) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    runs = {
+        name: (codes[name], (logs / f"{name}.log").read_text(), e["ENDED_MARKER_URI"], e["OUTPUT_URI"])
+        for name, e in envs.items()
+    }
+    again = dict(envs["ok"], ENDED_MARKER_URI=storage.join(root, "ok", "ended-again.json"))
+    rank1 = dict(
+        again,
+        ENDED_MARKER_URI=storage.join(root, "ok", "ended-rank1.json"),
+        SKYPILOT_NUM_NODES="2",
+        SKYPILOT_NODE_RANK="1",
+        SKYPILOT_NODE_IPS="127.0.0.1\n127.0.0.1",
+    )
+    for name, run_env in (("again", again), ("rank1", rank1)):
+        proc = run_workload("train", **run_env)
+        runs[name] = (
+            proc.returncode,
+            proc.stdout + proc.stderr,
+            run_env["ENDED_MARKER_URI"],
+            run_env["OUTPUT_URI"],
+        )
+    return runs
+
+
+def _assert_recent_utc(at: str) -> None:
+    when = datetime.fromisoformat(at)
+    assert when.utcoffset() == timedelta(0)
+    assert timedelta(0) <= datetime.now(UTC) - when < timedelta(seconds=PATIENCE_S)
+
+
+def test_ended_marker_says_succeeded_with_the_last_step(ended_runs):
+    rc, log, marker_uri, output = ended_runs["ok"]
+    assert rc == 0, log
+    assert _steps(output) == [2, 4]
+    marker = _marker(marker_uri)
+    assert set(marker) == {"state", "reason", "step", "at"}
+    assert (marker["state"], marker["reason"], marker["step"]) == ("succeeded", None, 4)
+    _assert_recent_utc(marker["at"])
+
+
+def test_ended_marker_when_already_complete(ended_runs):
+    rc, log, marker_uri, _ = ended_runs["again"]
+    assert rc == 0, log
+    assert "nothing to do" in log
+    marker = _marker(marker_uri)
+    assert (marker["state"], marker["reason"], marker["step"]) == ("succeeded", None, 4)
+    rc, log, marker_uri, _ = ended_runs["rank1"]  # one marker per training: rank 0's
+    assert rc == 0, log
+    assert "nothing to do" in log and _marker(marker_uri) is None
+
+
+def test_ended_marker_on_a_config_error(ended_runs):
+    rc, log, marker_uri, output = ended_runs["config"]
+    assert rc == 2, log
+    assert "configuration error: MAX_STEPS, CHECKPOINT_EVERY and BATCH_SIZE must be >= 1" in log
+    marker = _marker(marker_uri)
+    assert marker["state"] == "failed" and marker["step"] is None
+    assert marker["reason"] == "configuration error: MAX_STEPS, CHECKPOINT_EVERY and BATCH_SIZE must be >= 1"
+    _assert_recent_utc(marker["at"])
+
+
+def test_no_ended_marker_on_a_training_error_or_a_crash(ended_runs):
+    """SkyPilot may restart a job that failed (job_recovery), and it resumes: the orchestrator, not the
+    job, says the training failed, once the managed job is over."""
+    rc, log, marker_uri, _ = ended_runs["no_data"]
+    assert rc == 1 and "no usable training examples in " in log, log
+    assert _marker(marker_uri) is None
+    rc, log, marker_uri, _ = ended_runs["no_dataset"]
+    assert rc == 1 and "Traceback" in log, log  # the exception still ends the program as before
+    assert _marker(marker_uri) is None
+
+
+@pytest.mark.parametrize("name", ["sigterm", "sigint"])
+def test_no_ended_marker_on_a_signal(ended_runs, name):
+    rc, log, marker_uri, output = ended_runs[name]
+    if name == "sigterm":
+        assert rc == -signal.SIGTERM, log
+    else:  # a KeyboardInterrupt goes through main and out, as before
+        assert rc != 0 and log.rstrip().endswith("KeyboardInterrupt"), log
+    assert _steps(output) and max(_steps(output)) < 1000  # stopped midway: it would resume
+    assert _marker(marker_uri) is None
+
+
+def test_no_ended_marker_in_smoke_mode(ended_runs):
+    rc, log, marker_uri, _ = ended_runs["smoke"]
+    assert rc == 0, log
+    assert "smoke test passed" in log
+    assert _marker(marker_uri) is None
+
+
+def test_a_marker_that_cannot_be_written_changes_no_exit_status(dataset, bucket, tmp_path):
+    (tmp_path / "a-file").write_text("not a folder")
+    unwritable = "file://" + str(tmp_path / "a-file" / "ended.json")
+    proc = run_workload(
+        "train",
+        DATASET_URI=dataset,
+        OUTPUT_URI=storage.join(bucket, "ended", "unwritable"),
+        ENDED_MARKER_URI=unwritable,
+        CHECKPOINT_EVERY="0",
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert f"cannot write the ended marker {unwritable}: " in proc.stderr
+    assert "configuration error: MAX_STEPS, CHECKPOINT_EVERY and BATCH_SIZE must be >= 1" in proc.stderr
