@@ -32,7 +32,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gpudoor_pipelines.assets.night import JOBS_PER_WORKER  # noqa: E402
+from gpudoor_pipelines.assets.packed import JOBS_PER_WORKER  # noqa: E402
 from gpudoor_pipelines.launch.backends.skypilot import SkyPilotBackend  # noqa: E402
 from gpudoor_pipelines.launch.fleet import load_fleet  # noqa: E402
 from gpudoor_pipelines.launch.request import LaunchRequest, resolve  # noqa: E402

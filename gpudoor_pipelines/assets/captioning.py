@@ -156,7 +156,7 @@ def caption_shards(
         shards_per_job=config.shards_per_job, max_attempts=config.max_attempts, wait_for_gpus_s=config.wait_for_gpus_s,
     )  # fmt: skip
     report = night.run(shards)
-    context.log.info(f"Captioning: {report.to_metadata()}")
+    context.log.info(f"Captioning: {report.to_metadata('shards')}")
     if report.left:
         context.log.warning(
             f"{len(report.left)} shards left for the next night"
@@ -166,7 +166,7 @@ def caption_shards(
             raise dg.Failure(
                 description=f"No free GPU for captioning within {config.wait_for_gpus_s:.0f} s ({report.no_gpu}); "
                 f"{len(report.left)} shards not captioned. Fix: free GPUs on the caption pools, or retry later.",
-                metadata=report.to_metadata(),
+                metadata=report.to_metadata("shards"),
             )
     if report.failed:
         shard, reason = next(iter(report.failed.items()))
@@ -174,7 +174,7 @@ def caption_shards(
             description=f"{len(report.failed)} shards failed after {config.max_attempts} tries "
             f"(the others are materialized). Shard {shard}: {reason}",
             metadata={
-                **report.to_metadata(),
+                **report.to_metadata("shards"),
                 "failed_shards": dg.MetadataValue.json(sorted(report.failed)[:100]),
             },
         )
