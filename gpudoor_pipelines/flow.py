@@ -89,9 +89,15 @@ def run_flow(
     materialize("training_run")
     checkpoints = list(_latest_md(instance, "training_run").get("checkpoints") or [])
     if not checkpoints:
-        checkpoints = list(instance.get_dynamic_partitions(checkpoint_partitions.name))
-    for ckpt in checkpoints:
-        materialize("checkpoint_evals", ckpt)
+        raise RuntimeError("training_run recorded no checkpoint")
+    # As the checkpoint sensor does: the checkpoints become partitions, and one run evaluates them all
+    # (a few per job, on a warm pool that fits the free GPUs).
+    known = set(instance.get_dynamic_partitions(checkpoint_partitions.name))
+    instance.add_dynamic_partitions(checkpoint_partitions.name, [c for c in checkpoints if c not in known])
+    if len(checkpoints) == 1:
+        materialize("checkpoint_evals", checkpoints[0])
+    else:
+        materialize("checkpoint_evals", partitions=checkpoints)
     materialize("best_checkpoint")
     materialize("demo")
     materialize("gpu_usage")

@@ -98,15 +98,32 @@ def _check_flow(instance, summary, bucket, skypilot):
         train = _md(instance, "training_run")
         assert train["pool"] == "h200" and train["num_nodes"] == 2 and "smoke_job_id" in train
         assert "final_loss" in train
-        evals = _md(instance, "checkpoint_evals", summary.checkpoints[-1])
-        assert 0.0 <= evals["accuracy"] <= 1.0 and evals["pool"] == "inference"
-        checks = instance.event_log_storage.get_latest_asset_check_execution_by_key(
-            [dg.AssetCheckKey(dg.AssetKey("checkpoint_evals"), "accuracy_above_chance")]
+        # Every checkpoint of the training evaluated by one run, each its own materialization with its
+        # accuracy as a number (the UI plots it across checkpoints) and its own check result.
+        training_id = train["training_id"]
+        eval_runs = set()
+        for ckpt in summary.checkpoints:
+            evals = _md(instance, "checkpoint_evals", ckpt)
+            assert isinstance(evals["accuracy"], float) and 0.0 <= evals["accuracy"] <= 1.0
+            assert evals["pool"] == "inference" and evals["training_id"] == training_id and evals["job_id"]
+            eval_runs.add(
+                instance.fetch_materializations(
+                    dg.AssetRecordsFilter(asset_key=dg.AssetKey("checkpoint_evals"), asset_partitions=[ckpt]), limit=1
+                ).records[0].run_id
+            )
+        assert len(eval_runs) == 1
+        checks = instance.event_log_storage.get_asset_check_execution_history(
+            dg.AssetCheckKey(dg.AssetKey("checkpoint_evals"), "accuracy_above_chance"), limit=10
         )
-        assert checks, "the eval asset check was recorded"
+        assert sorted(c.partition for c in checks if c.partition) == sorted(summary.checkpoints)
 
         best = _md(instance, "best_checkpoint")
         assert best["checkpoint"] == summary.best_checkpoint and best["accuracy"] == pytest.approx(summary.accuracy)
+        assert best["training_id"] == training_id and best["chosen_by"] == "the latest training"
+        # The training said it started (the journal the checkpoint sensor reads) and how it ended.
+        assert any(training_id in k for k in bucket.list_keys("trainings/"))
+        ended = [k for k in bucket.list_keys(f"checkpoints/{training_id}/_ended/")]
+        assert len(ended) == 1 and json.loads(bucket.get_bytes(ended[0]))["state"] == "succeeded"
         assert summary.accuracy > 1 / 18, "the trained model beats chance on held-out images"
 
         usage = _md(instance, "gpu_usage")

@@ -1,83 +1,96 @@
 """A sensor that sees each new checkpoint in the transit bucket and fans evaluations out.
 
-Checkpoint keys are ``checkpoints/<training id>/step-NNNNNN/_manifest.json`` (the manifest is
-written last, so a listed manifest means a complete checkpoint). Training ids start with their UTC
-start time, so new trainings sort after old ones: the cursor keeps the last key seen overall
-(listed with S3 ``StartAfter``) plus, per training still running, the last key seen under it,
-because a running training keeps adding checkpoints behind the overall cursor.
+Each tick lists only what is new (:func:`gpudoor_pipelines.checkpoints.scan_checkpoints`): trainings
+that (re)started, from the journal, and each watched training from its last complete checkpoint. What
+it evaluates is the fleet file's ``evaluation`` section: every checkpoint written after the sensor was
+turned on, the latest few of each training from before, and at most ``max_runs_per_tick`` runs of
+``checkpoints_per_run`` checkpoints per tick. New checkpoints become partitions of ``checkpoint_evals``;
+one run covers a range of them, evaluated by a batch of jobs that fits the free GPUs.
+
+Restarts lose and duplicate nothing: the cursor moves only with the tick's result, and Dagster resumes
+a tick whose result it had started to apply (its runs are reserved with their run keys first).
 """
 
+from __future__ import annotations
+
 import json
+import time
+from collections.abc import Callable, Sequence
 
 import dagster as dg
 
-from gpudoor_pipelines.assets.partitions import (
-    CHECKPOINTS_PREFIX,
-    checkpoint_from_manifest_key,
-    checkpoint_partitions,
-)
+from gpudoor_pipelines.assets.partitions import checkpoint_partitions
 from gpudoor_pipelines.automation.jobs import eval_job
-from gpudoor_pipelines.transit.bucket import MANIFEST_NAME
+from gpudoor_pipelines.checkpoints import ScanPolicy, scan_checkpoints
+from gpudoor_pipelines.launch.client import PipesSkyPilotClient
+from gpudoor_pipelines.launch.fleet import EvalPolicy
 from gpudoor_pipelines.transit.resource import TransitBucketResource
 
-MAX_KEYS_PER_TICK = 5000
+RANGE_START = "dagster/asset_partition_range_start"
+RANGE_END = "dagster/asset_partition_range_end"
 
 
-def scan_checkpoints(bucket, cursor: dict) -> tuple[list[str], dict]:
-    """New complete checkpoints since ``cursor``, and the next cursor. Pure apart from listing.
+def scan_policy(policy: EvalPolicy) -> ScanPolicy:
+    """The scan's limits from the fleet's evaluation policy."""
+    return ScanPolicy(
+        backlog_per_training=policy.backlog_per_training,
+        max_checkpoints=policy.max_checkpoints_per_tick,
+        forget_after_s=policy.forget_training_after_hours * 3600.0,
+    )
 
-    Args:
-        bucket: the transit bucket.
-        cursor: ``{"after": last key listed, "active": {training prefix: last key under it}}``.
+
+def eval_run_requests(
+    checkpoints: Sequence[str], per_run: int, registered: Callable[[str], bool] = lambda _: False
+) -> list[dg.RunRequest]:
+    """One run per ``per_run`` consecutive new checkpoints, keyed by its first and last.
+
+    The checkpoints become partitions together, in this order, so each run is a partition range of
+    exactly its own. One that was a partition already (added by hand, or by a tick that Dagster
+    resumes) gets a run of its own: a range over it could span partitions added since.
     """
-    after = cursor.get("after")
-    active: dict[str, str] = dict(cursor.get("active", {}))
-    found: list[str] = []
+    requests: list[dg.RunRequest] = []
+    chunk: list[str] = []
 
-    def visit(key: str) -> None:
-        parts = key.split("/")
-        if len(parts) < 3:
-            return
-        training = "/".join(parts[:2])
-        if len(parts) == 3 and parts[2] == MANIFEST_NAME:
-            active.pop(training, None)  # The training published its run manifest: it is over.
-            return
-        if training not in active or key > active[training]:
-            active[training] = key
-        ckpt = checkpoint_from_manifest_key(key)
-        if ckpt:
-            found.append(ckpt)
+    def flush() -> None:
+        if len(chunk) == 1:
+            requests.append(dg.RunRequest(run_key=chunk[0], partition_key=chunk[0]))
+        elif chunk:
+            tags = {RANGE_START: chunk[0], RANGE_END: chunk[-1]}
+            requests.append(dg.RunRequest(run_key=f"{chunk[0]}..{chunk[-1]}", tags=tags))
+        chunk.clear()
 
-    # Trainings still running, behind the overall cursor.
-    for training, last in list(active.items()):
-        if after is not None and training + "/" > after:
+    for checkpoint in checkpoints:
+        if registered(checkpoint):
+            flush()
+            chunk.append(checkpoint)
+            flush()
             continue
-        for key in bucket.list_keys(training + "/", start_after=last):
-            visit(key)
-    listed = 0
-    for key in bucket.list_keys(CHECKPOINTS_PREFIX + "/", start_after=after):
-        visit(key)
-        after = key
-        listed += 1
-        if listed >= MAX_KEYS_PER_TICK:
-            break
-    # A training whose run manifest already exists needs no further watching.
-    for training in list(active):
-        if bucket.exists(f"{training}/{MANIFEST_NAME}"):
-            active.pop(training)
-    return sorted(set(found)), {"after": after, "active": active}
+        chunk.append(checkpoint)
+        if len(chunk) >= per_run:
+            flush()
+    flush()
+    return requests
 
 
 @dg.sensor(job=eval_job, minimum_interval_seconds=30, default_status=dg.DefaultSensorStatus.RUNNING)
 def new_checkpoint_sensor(
-    context: dg.SensorEvaluationContext, transit: TransitBucketResource
+    context: dg.SensorEvaluationContext, transit: TransitBucketResource, skypilot: PipesSkyPilotClient
 ) -> dg.SensorResult:
-    """Adds a partition for each new checkpoint and requests its evaluation."""
-    cursor = json.loads(context.cursor) if context.cursor else {}
-    found, next_cursor = scan_checkpoints(transit.get_bucket(), cursor)
-    new = [k for k in found if not context.instance.has_dynamic_partition(checkpoint_partitions.name, k)]
+    """Adds a partition for each new checkpoint and requests its evaluation, a few per run."""
+    policy = skypilot.get_fleet().evaluation
+    cursor = json.loads(context.cursor) if context.cursor else None
+    result = scan_checkpoints(transit.get_bucket(), cursor, scan_policy(policy), now=time.time())
+    for training, why in result.forgotten:
+        context.log.info(f"training {training} is no longer watched: {why}")
+    if result.capped:
+        context.log.info(
+            f"{len(result.checkpoints)} checkpoints this tick (the fleet's evaluation cap); the rest next tick"
+        )
+    found = result.checkpoints
+    registered = {c for c in found if context.instance.has_dynamic_partition(checkpoint_partitions.name, c)}
+    new = [c for c in found if c not in registered]
     return dg.SensorResult(
-        run_requests=[dg.RunRequest(run_key=k, partition_key=k) for k in found],
+        run_requests=eval_run_requests(found, policy.checkpoints_per_run, registered.__contains__),
         dynamic_partitions_requests=[checkpoint_partitions.build_add_request(new)] if new else [],
-        cursor=json.dumps(next_cursor),
+        cursor=json.dumps(result.cursor, separators=(",", ":")),
     )

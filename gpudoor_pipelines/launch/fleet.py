@@ -149,6 +149,33 @@ class NightWindow(BaseModel):
         return f"{minute} {hour} * * *"
 
 
+class EvalPolicy(BaseModel):
+    """What the checkpoint sensor evaluates, and how much at once.
+
+    Attributes:
+        backlog_per_training: when the sensor starts over checkpoints written before it was turned on,
+            the latest this many of each training are evaluated (0: none); every checkpoint written
+            after is evaluated.
+        max_runs_per_tick: at most this many eval runs per sensor tick; the rest waits for the next tick.
+        checkpoints_per_run: at most this many checkpoints per eval run (one batch of jobs on a warm
+            pool sized to the free GPUs, each checkpoint still its own partition).
+        forget_training_after_hours: a training that has written nothing for this long and never said
+            it ended (its run worker died) is no longer watched; a restart of it is seen again.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backlog_per_training: int = Field(default=1, ge=0)
+    max_runs_per_tick: int = Field(default=4, ge=1)
+    checkpoints_per_run: int = Field(default=50, ge=1)
+    forget_training_after_hours: float = Field(default=48.0, gt=0)
+
+    @property
+    def max_checkpoints_per_tick(self) -> int:
+        """Most checkpoints one tick hands to eval runs."""
+        return self.max_runs_per_tick * self.checkpoints_per_run
+
+
 class Fleet(BaseModel):
     """All pools, the pools each step kind may use in order of preference, and who pays.
 
@@ -161,6 +188,7 @@ class Fleet(BaseModel):
         cost_owners: every job must carry one of these as its cost owner.
         default_cost_owner: the cost owner of jobs that name none.
         night_window: when the nightly captioning may launch.
+        evaluation: what the checkpoint sensor evaluates, and how much at once.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -173,6 +201,7 @@ class Fleet(BaseModel):
     cost_owners: tuple[str, ...] = ()
     default_cost_owner: str = ""
     night_window: NightWindow = Field(default_factory=NightWindow)
+    evaluation: EvalPolicy = Field(default_factory=EvalPolicy)
 
     @model_validator(mode="before")
     @classmethod
@@ -249,7 +278,7 @@ def parse_fleet(raw: Any, source: str) -> Fleet:
         loc = tuple(err["loc"])
         field = _field_path(loc)
         if err["type"] == "extra_forbidden":
-            model = Pool if loc[0] == "pools" else Fleet
+            model = {"pools": Pool, "evaluation": EvalPolicy, "night_window": NightWindow}.get(loc[0], Fleet)
             known = _known_fields(model)
             fix = f"remove it; known fields: {known}{did_you_mean(loc[-1], known)}"
             raise LaunchConfigError(source, field, "unknown field", fix) from None
