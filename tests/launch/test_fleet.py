@@ -28,6 +28,7 @@ def test_shipped_fleet_loads():
     assert fleet.pools["onprem"].name == "onprem" and fleet.pools["onprem"].user_gpu_cap == 8
     assert fleet.pools["h200"].multi_node and fleet.cpu_route == ("inference", "ondemand")
     assert fleet.default_cost_owner == "ml-research"
+    assert fleet.evaluation.max_checkpoints_per_tick == 200 and fleet.evaluation.backlog_per_training == 1
 
 
 @pytest.mark.parametrize(
@@ -42,6 +43,8 @@ def test_shipped_fleet_loads():
         (lambda r: r["accelerator_routes"].update(H100="nowhere"), "accelerator_routes.H100", "unknown pool 'nowhere'"),
         (lambda r: r.update(default_cost_owner="marketing"), "default_cost_owner", "add it to cost_owners"),
         (lambda r: r["pools"]["inference"].update(vcpu_cap=0), "pools.inference.vcpu_cap", "greater than or equal to 1"),
+        (lambda r: r["evaluation"].update(max_runs_per_tick=0), "evaluation.max_runs_per_tick", "greater than or equal to 1"),
+        (lambda r: r["evaluation"].update(max_run_per_tick=3), "evaluation.max_run_per_tick", "did you mean 'max_runs_per_tick'"),
     ],
 )
 def test_fleet_mistakes_name_file_field_and_fix(edit, field, words):
