@@ -7,7 +7,7 @@ Layout (keys relative to the bucket's root)::
     checkpoints/<training id>/_run.json                       what the training trains on
     checkpoints/<training id>/_manifest.json                  the run manifest of a finished training
     checkpoints/<training id>/_ended/<start>.json             how one start of the training ended
-    trainings/<start>-<training id>.json                      journal: one entry per (re)start
+    trainings/<day>/<start>-<training id>.json                journal: one entry per (re)start
 
 :func:`scan_checkpoints` finds new complete checkpoints with work proportional to what is new, never
 to what is stored: the journal says which trainings (re)started, each watched training is listed from
@@ -104,6 +104,13 @@ def stamp_time(s: str) -> float:
     return datetime.datetime.strptime(s, "%Y%m%dT%H%M%S.%fZ").replace(tzinfo=datetime.UTC).timestamp()
 
 
+def journal_position(t: float) -> str:
+    """Where the journal's entries of time ``t`` start: one folder per day, so that a listing from a
+    time opens only the days after it, on a local folder as on S3."""
+    s = stamp(t)
+    return f"{TRAININGS_PREFIX}/{s[:8]}/{s}"
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainingStart:
     """One start (or restart) of a training, as its journal entry records it."""
@@ -116,7 +123,7 @@ class TrainingStart:
 
     @property
     def journal_key(self) -> str:
-        return f"{TRAININGS_PREFIX}/{stamp(self.started_at)}-{self.training_id}.json"
+        return f"{journal_position(self.started_at)}-{self.training_id}.json"
 
     @property
     def ended_key(self) -> str:
@@ -222,7 +229,7 @@ class _Scan:
     def read_journal(self) -> None:
         """Trainings (re)started since the last tick join the watch list."""
         floor = self.journal_last - JOURNAL_LOOKBACK_S
-        for key in self._list(f"{TRAININGS_PREFIX}/", f"{TRAININGS_PREFIX}/{stamp(max(floor, 0))}"):
+        for key in self._list(f"{TRAININGS_PREFIX}/", journal_position(max(floor, 0))):
             if key in self.journal_seen:
                 continue
             try:
