@@ -177,8 +177,10 @@ def test_a_night_that_reaches_its_end_stops_launching_and_the_next_night_finishe
     assert night.materialize(
         "dataset_shards", config={"num_images": 24, "shard_size": 4, "image_size": 16}
     ).success
-    end = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=6)
-    slow = {"env": {"IMAGES_PER_PART": "2", "WORKLOAD_THROTTLE_S": "0.5"}, "shards_per_job": 6}
+    # 24 images at 1 s each cannot all be done by the end; a loaded machine may take ~10 s to start the
+    # job (Dagster run, worker, imports), which still leaves time for a first shard (4 s) before the end.
+    end = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=15)
+    slow = {"env": {"IMAGES_PER_PART": "2", "WORKLOAD_THROTTLE_S": "1.0"}, "shards_per_job": 6}
     first = night.materialize(
         "caption_shards", config={**slow, "window_end": end.isoformat()}, shards=night.shards
     )
@@ -291,7 +293,7 @@ def _hold_the_gpu(night: Night, seconds: int) -> str:
     from gpudoor_pipelines.launch.request import LaunchRequest, resolve
     from gpudoor_pipelines.launch.specs import load_spec
 
-    request = LaunchRequest(spec=load_spec("caption", skypilot=False), inputs={}, env={}, user="someone-else", asset="other", partition=None)
+    request = LaunchRequest(spec=load_spec("caption", skypilot=False), inputs={}, env={}, user="someone-else", asset="other", partition=None, step="caption")
     job = resolve(request, night.skypilot.get_fleet())
     job.config["run"] = f"sleep {seconds}"
     job.config.pop("setup", None)
