@@ -54,7 +54,7 @@ def _job(specs: Path, name: str, shards: int, seconds: int, gpu: str):
         "envs": {"SHARDS": shards, "SECONDS_PER_SHARD": seconds}, "run": RUN,
     }))  # fmt: skip
     spec = load_spec("caption", str(folder))
-    request = LaunchRequest(spec=spec, inputs={}, env={}, user=os.environ.get("USER", "bench"), asset=name, partition=None)
+    request = LaunchRequest(spec=spec, inputs={}, env={}, user=os.environ.get("USER", "bench"), asset=name, partition=None, step="caption")
     return resolve(request, load_fleet(str(REPO / "testbed" / "fleet.yaml")))
 
 

@@ -71,10 +71,19 @@ def _cmd_pools(args: argparse.Namespace) -> int:
 
 
 def _cmd_where(args: argparse.Namespace) -> int:
+    import json
+
     from gpudoor_pipelines.explain import explain
 
-    print(explain(args.spec, step=args.step, pool=args.pool, infra=args.infra, cost_owner=args.cost_owner,
-                  as_json=args.json))  # fmt: skip
+    try:
+        print(explain(args.spec, step=args.step, pool=args.pool, infra=args.infra, cost_owner=args.cost_owner,
+                      as_json=args.json))  # fmt: skip
+    except LaunchConfigError as e:
+        if not args.json:
+            raise
+        problems = [p.as_dict() for p in e.problems]
+        print(json.dumps({"error": "refused before launch", **problems[0], "problems": problems}, indent=2))
+        return 2
     return 0
 
 
@@ -88,7 +97,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     for path in sorted(specs_dir.glob("*.yaml")):
         if path.name == "fleet.yaml":
             continue
-        r = route(load_spec(path, skypilot=True), fleet)
+        r = route(load_spec(path, skypilot=True), fleet, step=path.stem)
         print(f"ok  {path.name:12s} → {r.pool.name} ({r.infra}, {r.describe()})")
     return 0
 
@@ -115,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_cmd_flow)
     p = sub.add_parser("where", help="explain where a task spec would run, and what it would get")
     p.add_argument("spec", help="a task spec: task_specs/eval.yaml or just eval")
-    p.add_argument("--step", help="step kind (default: the file's name)")
+    p.add_argument("--step", help="step kind whose route to use (default: route by the GPU the task needs)")
     p.add_argument("--pool", help="explicit pool override")
     p.add_argument("--infra", help="explicit SkyPilot infra override")
     p.add_argument("--cost-owner", help="cost owner label")

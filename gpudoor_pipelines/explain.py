@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 
 from gpudoor_pipelines.launch.client import PipesSkyPilotClient
 from gpudoor_pipelines.launch.request import LaunchRequest, resolve
+from gpudoor_pipelines.launch.specs import load_spec
 from gpudoor_pipelines.transit.resource import bucket_from_env
 
 
@@ -25,30 +28,36 @@ def explain(
     Raises:
         LaunchConfigError: the same errors a launch would raise, before anything runs.
     """
-    client = PipesSkyPilotClient(transit=bucket_from_env(), cost_owner=cost_owner)
+    client = PipesSkyPilotClient(transit=bucket_from_env())
     bucket = client.transit.get_bucket()
-    request = LaunchRequest(
-        spec=client.get_spec(spec),
-        inputs=bucket.job_env(),
-        secrets=bucket.job_secrets(),
-        pool=pool,
-        infra=infra,
-        cost_owner=client.cost_owner,
-        user=client.launching_user(),
-        asset="(gpudoor where)",
-        step=step,
-    )
-    job = resolve(request, client.get_fleet())
+    # SkyPilot may print while it parses; with --json, stdout carries the JSON answer only.
+    with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
+        request = LaunchRequest(
+            spec=load_spec(spec, client.specs_dir, skypilot=True, strict=False),
+            inputs=bucket.job_env(),
+            secrets=bucket.job_secrets(),
+            pool=pool,
+            infra=infra,
+            cost_owner=cost_owner,
+            user=client.launching_user(),
+            asset="(gpudoor where)",
+            step=step,
+        )
+        job = resolve(request, client.get_fleet())
     route = job.route
     assert route is not None
     envs = job.config.get("envs", {})
+    ports = job.config.get("resources", {}).get("ports")
     info = {
         "spec": request.spec.path,
-        "step": step or request.spec.kind,
+        "step": job.labels.get("gpudoor-step"),
         "pool": route.pool.name,
         "infra": route.infra,
         "accelerators": route.accelerators,
         "vcpus": route.vcpus_per_node or None,
+        "use_spot": route.use_spot,
+        "ports": [str(p) for p in (ports if isinstance(ports, list) else [] if ports is None else [ports])],
+        "cost_owner": job.labels.get("gpudoor-cost-owner"),
         "num_nodes": route.num_nodes,
         "decided_by": route.reason,
         "passed_over": list(route.skipped),
@@ -68,6 +77,9 @@ def explain(
         f"  {'GPUs' if route.accelerator else 'CPUs'}        : {route.describe()}  ~${info['usd_per_hour_estimate']}/h",
         f"  decided by  : {info['decided_by']}",
     ]
+    if info["ports"]:
+        lines.append(f"  ports       : {', '.join(info['ports'])}")
+    lines.append(f"  cost owner  : {job.labels.get('gpudoor-cost-owner')}")
     lines += [f"  passed over : {skipped}" for skipped in route.skipped]
     lines.append("  injected env:")
     lines += [f"    {k}={v}" for k, v in sorted(job.pool_env.items())]

@@ -21,7 +21,7 @@ from gpudoor_pipelines.cli import main
     ],
 )
 def test_where_explains_each_spec(capsys, spec, pool, infra, accel, nodes, env_key, env_value):
-    assert main(["where", spec, "--json"]) == 0
+    assert main(["where", spec, "--step", spec.split("/")[-1].removesuffix(".yaml"), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert (info["pool"], info["infra"], info["accelerators"], info["num_nodes"]) == (pool, infra, accel, nodes)
     assert info["injected_env"][env_key] == env_value

@@ -302,7 +302,8 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
         specs_dir: folder of task specs (default: the project's ``task_specs/``).
         fleet_file: the fleet file (default: ``task_specs/fleet.yaml``).
         local_home: state folder of the local backend (default ``$GPUDOOR_HOME`` or ``~/.gpudoor``).
-        cost_owner: who pays for the jobs (default: the fleet's default); a ``gpudoor/cost-owner`` run tag wins.
+        cost_owner: who pays for jobs whose task file names no cost owner (default: the fleet's
+            default); a ``gpudoor/cost-owner`` run tag wins over both.
         user: who launches (for per-user caps and labels; default: the OS user).
         poll_interval_s: seconds between status polls.
         cancel_timeout_s: how long to wait for a cancelled job to reach CANCELLED.
@@ -353,7 +354,7 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
 
     def get_spec(self, name: str) -> TaskSpec:
         """A task spec by name (``caption``) or path, checked (cached until the file changes)."""
-        return load_spec(name, self.specs_dir, skypilot=self.validate_with_skypilot)
+        return load_spec(name, self.specs_dir, skypilot=self.validate_with_skypilot, strict=False)
 
     def launching_user(self) -> str:
         """Who launches: ``user``, else the OS user."""
@@ -372,8 +373,12 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
         inputs: Mapping[str, str] | None = None,
         config: LaunchConfig | None = None,
         cluster_name: str | None = None,
+        step: str | None = None,
     ) -> LaunchRequest:
         """The launch request for the current asset: spec, inputs, overrides, asset, partition, run.
+
+        The step kind that routes the job is ``step``, else the spec's name (the assets name their
+        spec by their step: ``caption``, ``train``, ...).
 
         Raises:
             dagster.Failure: the spec is missing or invalid ("Nothing was launched").
@@ -388,12 +393,14 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
             env=dict(config.env),
             pool=config.pool or tags.get(TAG_POOL),
             infra=config.infra or tags.get(TAG_INFRA),
-            cost_owner=tags.get(TAG_COST_OWNER) or self.cost_owner,
+            cost_owner=tags.get(TAG_COST_OWNER),
+            default_cost_owner=self.cost_owner,
             user=self.launching_user(),
             asset=context.asset_key.to_user_string() if context.has_assets_def else context.op.name,
             partition=context.partition_key if context.has_partition_key else None,
             interactive=cluster_name is not None,
             cluster_name=cluster_name,
+            step=step or loaded.kind,
         )
 
     @staticmethod

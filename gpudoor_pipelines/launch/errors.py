@@ -19,6 +19,39 @@ class LaunchConfigError(ValueError):
         self.fix = fix
         super().__init__(f"{source}: field '{field}': {problem}. Fix: {fix}")
 
+    @property
+    def problems(self) -> list[LaunchConfigError]:
+        """Every problem this error stands for (one, unless it is a :class:`LaunchConfigErrors`)."""
+        return [self]
+
+    def as_dict(self) -> dict[str, str]:
+        """``{file, field, problem, fix}``, for JSON output."""
+        return {"file": self.source, "field": self.field, "problem": self.problem, "fix": self.fix}
+
+    @staticmethod
+    def combine(problems: list[LaunchConfigError]) -> LaunchConfigError:
+        """One error for several problems (the single problem itself when there is one)."""
+        flat = [p for e in problems for p in e.problems]
+        return flat[0] if len(flat) == 1 else LaunchConfigErrors(flat)
+
+
+class LaunchConfigErrors(LaunchConfigError):
+    """Several problems of one request, reported together so one round of fixes is enough."""
+
+    def __init__(self, problems: list[LaunchConfigError]) -> None:
+        self._problems = list(problems)
+        first = self._problems[0]
+        fields = ", ".join(p.field for p in self._problems)
+        super().__init__(first.source, fields, f"{len(self._problems)} problems", "fix each one as it says")
+        self.args = (f"{len(self._problems)} problems:\n" + "\n".join(f"  - {p}" for p in self._problems),)
+
+    @property
+    def problems(self) -> list[LaunchConfigError]:
+        return list(self._problems)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
 
 class PolicyRejection(LaunchConfigError):
     """A fleet rule (cap, cost owner, GPU type, priority) refused the job."""

@@ -23,6 +23,12 @@ DEFAULT_SPECS_DIR = PROJECT_ROOT / "task_specs"
 DEFAULT_FLEET_FILE = DEFAULT_SPECS_DIR / "fleet.yaml"
 
 _CLOUD_ALIASES = {"kubernetes": "k8s"}
+#: SkyPilot's cloud feature names (``sky.clouds.CloudImplementationFeatures``) a pool may declare it has.
+SKYPILOT_FEATURES = frozenset({
+    "stop", "multi-node", "clone_disk_from_cluster", "image_id", "docker_image", "spot_instance", "custom_disk_tier",
+    "custom_network_tier", "open_ports", "storage_mounting", "host_controllers", "high_availability_controllers",
+    "auto_terminate", "autostop", "autodown", "custom_multi_network", "local_disk",
+})  # fmt: skip
 _LABEL_VALUE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
@@ -61,6 +67,9 @@ class Pool(BaseModel):
         multi_node: the pool has a fast interconnect for multi-node jobs.
         env: injected into every job on the pool (paths on that cluster).
         autostop_idle_minutes: autostop for interactive clusters (demos, dev sessions) on the pool.
+        features: SkyPilot features this pool's cluster has beyond SkyPilot's table for its kind of
+            infra (``spot_instance`` on a Kubernetes cluster with spot nodes, ``docker_image`` on Slurm
+            with Pyxis); SkyPilot detects these only by asking the cluster.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -79,11 +88,16 @@ class Pool(BaseModel):
     multi_node: bool = False
     env: dict[str, str] = Field(default_factory=dict)
     autostop_idle_minutes: int = Field(default=60, ge=1)
+    features: tuple[str, ...] = ()
 
     @model_validator(mode="after")
     def _gpus_need_a_cap(self) -> Pool:
         if self.gpus and not self.gpu_cap:
             raise _FieldError(f"pools.{self.name}.gpu_cap", "missing", f"say how many GPUs pool '{self.name}' lends at once")
+        for i, feature in enumerate(self.features):
+            if feature not in SKYPILOT_FEATURES:
+                raise _FieldError(f"pools.{self.name}.features[{i}]", f"unknown SkyPilot feature '{feature}'",
+                                  f"use one of {sorted(SKYPILOT_FEATURES)}{did_you_mean(feature, SKYPILOT_FEATURES)}")  # fmt: skip
         return self
 
     @property
@@ -183,12 +197,13 @@ class Fleet(BaseModel):
         source: the file it was read from, for messages.
         pools: pools by name.
         routes: step kind → pools, most preferred first.
-        accelerator_routes: GPU type → pool, for steps without a route.
+        accelerator_routes: GPU type → its own pool, tried first for a job launched without a step.
         cpu_route: the pools that take CPU-only jobs, most preferred first (none when empty).
         cost_owners: every job must carry one of these as its cost owner.
         default_cost_owner: the cost owner of jobs that name none.
         night_window: when the nightly captioning may launch.
         evaluation: what the checkpoint sensor evaluates, and how much at once.
+        secrets: the secrets a job may ask for by name (``secrets: {HF_TOKEN: null}`` in its task file).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -202,6 +217,7 @@ class Fleet(BaseModel):
     default_cost_owner: str = ""
     night_window: NightWindow = Field(default_factory=NightWindow)
     evaluation: EvalPolicy = Field(default_factory=EvalPolicy)
+    secrets: tuple[str, ...] = ()
 
     @model_validator(mode="before")
     @classmethod
@@ -234,6 +250,14 @@ class Fleet(BaseModel):
     def pool_for_infra(self, infra: str) -> Pool | None:
         """The pool whose infra string is ``infra`` or a prefix of it (``slurm/onprem/part``)."""
         return next((pool for pool in self.pools.values() if pool.owns_infra(infra)), None)
+
+    def pools_for_gpus(self, gpus: list[str]) -> list[Pool]:
+        """The pools offering any of ``gpus``: a GPU's own pool (``accelerator_routes``) first, then the cheapest."""
+        wanted = {g.lower() for g in gpus}
+        preferred = {p for g, p in self.accelerator_routes.items() if g.lower() in wanted}
+        offering = [p for p in self.pools.values() if any(g.lower() in wanted for g in p.gpus)]
+        order = list(self.pools)
+        return sorted(offering, key=lambda p: (p.name not in preferred, p.usd_per_gpu_hour, order.index(p.name)))
 
     @property
     def all_gpus(self) -> set[str]:

@@ -4,9 +4,11 @@ Enable it on the API server (and on clients) with one line of SkyPilot config::
 
     admin_policy: gpudoor_pipelines.launch.policy.GpuDoorPolicy
 
-Every task launched through the server, by the Dagster pipeline, a person or an agent, is routed by
+Every task launched through the server, by the Dagster pipeline, a person or an agent, is checked by
+:func:`~gpudoor_pipelines.launch.specs.task_problems`, routed by
 :func:`~gpudoor_pipelines.launch.routing.route` and rewritten by
-:func:`~gpudoor_pipelines.launch.rules.apply_rules`, exactly as the launcher does on the client:
+:func:`~gpudoor_pipelines.launch.rules.apply_rules`, exactly as the launcher does on the client, with
+every problem reported at once:
 per-pool env, labels, the production pools' low priority class, autostop for interactive
 clusters, and the size checks; a refusal says what to change. Who launches what comes back out of
 the task's labels through :meth:`LaunchContext.from_labels`; nothing is rebuilt by hand. What only
@@ -19,6 +21,7 @@ time; nothing else in the package imports it that way.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -31,15 +34,21 @@ from sky.server.requests.request_names import AdminPolicyRequestName  # noqa: E4
 from gpudoor_pipelines.launch.errors import LaunchConfigError  # noqa: E402
 from gpudoor_pipelines.launch.fleet import Fleet, load_fleet  # noqa: E402
 from gpudoor_pipelines.launch.routing import route  # noqa: E402
-from gpudoor_pipelines.launch.rules import LABEL_POOL, Injected, LaunchContext, apply_rules  # noqa: E402
-from gpudoor_pipelines.launch.specs import TaskSpec, parse_accelerators  # noqa: E402
+from gpudoor_pipelines.launch.rules import (  # noqa: E402
+    LABEL_POOL,
+    TRANSIT_SECRET_NAMES,
+    Injected,
+    LaunchContext,
+    apply_rules,
+)
+from gpudoor_pipelines.launch.specs import TaskSpec, parse_accelerators, task_infra, task_problems  # noqa: E402
 
 #: Cluster-name prefixes of interactive clusters (demos, dev sessions): autostop applies.
 INTERACTIVE_PREFIXES = ("lab-", "dev-")
 #: Requests SkyPilot makes for its own controllers: not user jobs.
 CONTROLLER_REQUESTS = (AdminPolicyRequestName.JOBS_LAUNCH_CONTROLLER, AdminPolicyRequestName.SERVE_LAUNCH_CONTROLLER)
 #: Environment of the API server holding credentials injected into every job as secrets.
-SECRET_ENV_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+SECRET_ENV_VARS = TRANSIT_SECRET_NAMES
 #: Non-secret transit settings copied from the API server's environment into every job.
 TRANSIT_ENV_VARS = ("AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION")
 _POLICY_ENV_PREFIX = "GPUDOOR_POLICY_"
@@ -50,38 +59,39 @@ def _server_values(names: tuple[str, ...]) -> dict[str, str]:
     return {name: os.environ[_POLICY_ENV_PREFIX + name] for name in names if os.environ.get(_POLICY_ENV_PREFIX + name)}
 
 
-def _infra_of(resources: dict[str, Any]) -> str | None:
-    if resources.get("infra"):
-        return str(resources["infra"])
-    cloud = resources.get("cloud")
-    return "/".join(str(x) for x in (cloud, resources.get("region"), resources.get("zone")) if x) if cloud else None
-
-
 def task_config(task: sky.Task, source: str) -> dict[str, Any]:
-    """A ``sky.Task`` as the YAML mapping a task file holds: the inverse of SkyPilot's own serialization.
+    """A ``sky.Task`` as the YAML mapping a task file holds (SkyPilot's own serialization).
 
-    SkyPilot writes ``accelerators: {L4: 1, H100: 1}`` back as ``any_of`` candidates and a task's
-    ``config:`` as ``resources._cluster_config_overrides``; both are folded back, so the rules see
-    one shape whether they run on a task file (client) or on a task SkyPilot rebuilt (server).
+    A GPU set comes back as ``any_of`` candidates, which routing reads as a set again; a task's
+    ``config:`` comes back as ``resources._cluster_config_overrides`` and is folded back, so the
+    rules see one shape whether they run on a task file (client) or on a task SkyPilot rebuilt (server).
     """
     config = task.to_yaml_config()
     resources = dict(config.get("resources") or {})
-    if "ordered" in resources:
-        raise LaunchConfigError(source, "resources.ordered", "ordered candidates are not routed", "list the GPUs under accelerators instead")
-    candidates = [dict(c) for c in resources.pop("any_of", None) or ()]
-    if candidates:
-        accelerators = {g: n for c in candidates for g, n in parse_accelerators(c.pop("accelerators", None), source).items()}
-        if any(c != candidates[0] for c in candidates):
-            raise LaunchConfigError(source, "resources.any_of", "candidates differ in more than their GPU",
-                                    "ask for one resource set; list GPU alternatives under accelerators")  # fmt: skip
-        resources.update(candidates[0])
-        if accelerators:
-            resources["accelerators"] = accelerators
+    key = "any_of" if "any_of" in resources else "ordered" if "ordered" in resources else None
+    if key:
+        # SkyPilot writes every field into every candidate; what they all share goes back to the top.
+        entries = [dict(e) for e in resources[key]]
+        shared = {k: v for k, v in entries[0].items() if all(k in e and e[k] == v for e in entries[1:])}
+        resources.update(shared)
+        resources[key] = [{k: v for k, v in e.items() if k not in shared} for e in entries]
+        if len(entries) == 1:
+            resources.pop(key)
+        if not any(resources.get(key) or ()):
+            resources.pop(key, None)
+    if _only_tpus(resources) and "/" not in str(resources.get("infra", "/")):
+        resources.pop("infra")  # SkyPilot names a cloud for a TPU itself; the task did not
     overrides = resources.pop("_cluster_config_overrides", None)
     if overrides:
         config["config"] = {**(config.get("config") or {}), **overrides}
     config["resources"] = resources
     return config
+
+
+def _only_tpus(resources: dict[str, Any]) -> bool:
+    entries = [resources, *(resources.get("any_of") or resources.get("ordered") or ())]
+    names = [str(g) for e in entries for g in parse_accelerators(e.get("accelerators"))]
+    return bool(names) and all(n.lower().startswith("tpu-") for n in names)
 
 
 def mutate_config(
@@ -93,25 +103,41 @@ def mutate_config(
     at_client_side: bool = False,
     source: str = "(request)",
 ) -> dict[str, Any]:
-    """Routes a task's YAML mapping and applies the fleet rules, as the admin policy does.
+    """Checks a task's YAML mapping, routes it and applies the fleet rules, as the admin policy does.
 
-    Pure apart from reading the server's credentials from the environment (server side only).
+    The same checks as the launcher and ``gpudoor where``, all problems at once. Pure apart from
+    reading the server's credentials from the environment (server side only).
 
     Raises:
-        LaunchConfigError: routing or a rule refuses the request (the policy turns it into a rejection).
+        LaunchConfigError: the request is refused (the policy turns it into a rejection).
     """
     resources = config.get("resources") or {}
     labels = {str(k): str(v) for k, v in (resources.get("labels") or {}).items()}
     ctx = LaunchContext.from_labels(labels, user=user, interactive=interactive)
-    spec = TaskSpec(path=source, kind=ctx.step or str(config.get("name") or ""), config=config)
-    infra = _infra_of(resources)
+    # A task from the door's launcher carries input URIs the launcher filled in; it checked the file itself.
+    problems = task_problems(config, source, launcher_inputs=ctx.via in ("launcher", "policy"), from_file=False)
+    spec = TaskSpec(path=source, kind=str(config.get("name") or "task"), config=config)
+    # What the launcher does for a task file that names no cost owner; the task is now checked by the policy.
+    ctx = dataclasses.replace(ctx, cost_owner=ctx.cost_owner or fleet.default_cost_owner or None, via=ctx.via or "policy")
+    infra = task_infra(resources, source, fleet, problems)
     # Two pools may share one cluster: the pool the client routed to, when it owns the infra, stays.
     pool = fleet.pools.get(labels.get(LABEL_POOL, ""))
-    chosen = route(spec, fleet, step=ctx.step, infra=infra, pool=pool.name if pool and infra and pool.owns_infra(infra) else None, user=ctx.user)
+    try:
+        chosen = route(spec, fleet, step=ctx.step, infra=infra, pool=pool.name if pool and infra and pool.owns_infra(infra) else None,
+                       user=ctx.user, infra_field=(source, "resources.infra"))  # fmt: skip
+    except LaunchConfigError as e:
+        raise LaunchConfigError.combine([*problems, e]) from None
     injected = Injected()
     if not at_client_side:  # only the server holds these; a client-side pass leaves them to it
-        injected = Injected(env=_server_values(TRANSIT_ENV_VARS), secrets=_server_values(SECRET_ENV_VARS), fill_only=True)
-    return apply_rules(config, chosen, ctx, fleet, injected, source=source).config
+        secrets = {**_server_values(SECRET_ENV_VARS), **_server_values(tuple(fleet.secrets))}
+        injected = Injected(env=_server_values(TRANSIT_ENV_VARS), secrets=secrets, fill_only=True, require_secrets=True)
+    try:
+        mutated = apply_rules(config, chosen, ctx, fleet, injected, source=source).config
+    except LaunchConfigError as e:
+        problems.append(e)
+    if problems:
+        raise LaunchConfigError.combine(problems)
+    return mutated
 
 
 class GpuDoorPolicy(sky.AdminPolicy):
@@ -127,7 +153,7 @@ class GpuDoorPolicy(sky.AdminPolicy):
             return sky.MutatedUserRequest(user_request.task, user_request.skypilot_config)
         task, options = user_request.task, user_request.request_options
         cluster_name = getattr(options, "cluster_name", None) or ""
-        source = f"task '{task.name}'"
+        source = f"task '{task.name}'" if task.name else "the unnamed task"
         try:
             mutated = mutate_config(
                 task_config(task, source),

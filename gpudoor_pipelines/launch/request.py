@@ -8,15 +8,17 @@ the launcher and ``gpudoor where`` call the same function, so what ``where`` sho
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Mapping
+from pathlib import Path
 
 from gpudoor_pipelines.launch.backends.base import ResolvedJob
 from gpudoor_pipelines.launch.errors import LaunchConfigError
 from gpudoor_pipelines.launch.fleet import PROJECT_ROOT, Fleet
 from gpudoor_pipelines.launch.routing import Usage, route
 from gpudoor_pipelines.launch.rules import Injected, LaunchContext, apply_rules
-from gpudoor_pipelines.launch.specs import TaskSpec
+from gpudoor_pipelines.launch.specs import TaskSpec, task_infra
 
 
 def slug(text: str, limit: int = 40) -> str:
@@ -35,14 +37,18 @@ class LaunchRequest:
         secrets: credentials for the job (transit bucket), passed as SkyPilot secrets; never shown.
         pool: explicit pool override.
         infra: explicit SkyPilot infra override.
-        cost_owner: who pays; None means the fleet's default.
+        cost_owner: who pays, set for this launch (the ``gpudoor/cost-owner`` run tag, ``--cost-owner``);
+            it wins over the task's own ``gpudoor-cost-owner`` label.
+        default_cost_owner: who pays when neither the launch nor the task says (the launcher's
+            setting); None means the fleet's default.
         user: who launches (labels, per-user caps).
         asset: the asset being materialized.
         partition: its partition key.
         dagster: the Dagster run's identity for the job's labels (``dagster/run-id``, ``dagster/job``, ...).
         interactive: a cluster that stays up (a demo): autostop applies.
         cluster_name: the cluster a service is launched on.
-        step: the step kind, when not the spec file's name.
+        step: the step kind, set by the launcher (the asset's step, ``--step``); None routes by
+            what the task needs (or by the task's own ``gpudoor-step`` label).
     """
 
     spec: TaskSpec
@@ -52,6 +58,7 @@ class LaunchRequest:
     pool: str | None = None
     infra: str | None = None
     cost_owner: str | None = None
+    default_cost_owner: str | None = None
     user: str = "unknown"
     asset: str | None = None
     partition: str | None = None
@@ -84,31 +91,52 @@ class LaunchRequest:
 def resolve(request: LaunchRequest, fleet: Fleet, *, usage: Usage | None = None) -> ResolvedJob:
     """Routes a request and applies the fleet rules: the task that would run, without running it.
 
+    Who pays: the launch's own setting, then the task's ``gpudoor-cost-owner`` label, then the
+    launcher's default, then the fleet's. Secrets the task asks for by name (and the fleet allows)
+    take their values from the launcher's environment.
+
     Args:
         request: the launch request.
         fleet: the fleet.
         usage: what is held right now, for live cap checks.
 
     Raises:
-        LaunchConfigError: anything wrong with the spec, an override or a rule; nothing was launched.
+        LaunchConfigError: everything wrong with the spec, an override or a rule, at once; nothing
+            was launched.
     """
     spec = request.spec
+    problems: list[LaunchConfigError] = list(spec.problems)
     for name in request.env:
         if name not in spec.envs:
-            raise LaunchConfigError("run config", f"env.{name}", f"{spec.path} declares no env '{name}'",
-                                    f"use one of {sorted(spec.envs)} or declare it under envs in {spec.path}")  # fmt: skip
-    step = request.step or spec.kind
-    chosen = route(spec, fleet, step=step, pool=request.pool, infra=request.infra, user=request.user, usage=usage)
+            problems.append(LaunchConfigError("run config", f"env.{name}", f"{spec.path} declares no env '{name}'",
+                                              f"use one of {sorted(spec.envs)} or declare it under envs in {spec.path}"))  # fmt: skip
+    own = LaunchContext.from_labels({str(k): str(v) for k, v in ((spec.config.get("resources") or {}).get("labels") or {}).items()})
+    step = request.step or own.step
+    infra, infra_field = request.infra, ("launch override", "infra")
+    if not infra:
+        infra, infra_field = task_infra(spec.config.get("resources") or {}, spec.path, fleet, problems), (spec.path, "resources.infra")
+    try:
+        chosen = route(spec, fleet, step=step, pool=request.pool, infra=infra, user=request.user, usage=usage, infra_field=infra_field)
+    except LaunchConfigError as e:
+        raise LaunchConfigError.combine([*problems, e]) from None
     ours = {"dagster/asset": request.asset, "dagster/partition": request.partition}
     identity = {**request.dagster, **{k: v for k, v in ours.items() if v}}
-    ctx = LaunchContext(cost_owner=request.cost_owner or fleet.default_cost_owner, user=request.user, step=step,
-                        interactive=request.interactive, dagster=identity)  # fmt: skip
-    injected = Injected(env={**request.inputs, **request.env}, secrets=request.secrets)
-    ruled = apply_rules(spec.config, chosen, ctx, fleet, injected, source=spec.path)
+    cost_owner = request.cost_owner or own.cost_owner or request.default_cost_owner or fleet.default_cost_owner
+    ctx = LaunchContext(cost_owner=cost_owner, user=request.user, step=step, interactive=request.interactive,
+                        dagster=identity, via="launcher")  # fmt: skip
+    asked = (spec.config.get("secrets") or {})
+    own_secrets = {n: os.environ[n] for n in asked if n in fleet.secrets and os.environ.get(n)}
+    injected = Injected(env={**request.inputs, **request.env}, secrets={**own_secrets, **request.secrets}, require_secrets=True)
+    try:
+        ruled = apply_rules(spec.config, chosen, ctx, fleet, injected, source=spec.path)
+    except LaunchConfigError as e:
+        problems.append(e)
+    if problems:
+        raise LaunchConfigError.combine(problems)
     return ResolvedJob(
         name=request.job_name,
         config=ruled.config,
-        workdir=str(PROJECT_ROOT),
+        workdir=_workdir(spec),
         pool=chosen.pool.name,
         pool_env=ruled.injected_env,
         cluster_name=request.cluster_name,
@@ -118,3 +146,11 @@ def resolve(request: LaunchRequest, fleet: Fleet, *, usage: Usage | None = None)
         secret_names=ruled.secret_names,
         spec_path=spec.path,
     )
+
+
+def _workdir(spec: TaskSpec) -> str:
+    """The task's own ``workdir`` (relative to its file), else the project (which holds ``workloads/``)."""
+    own = spec.config.get("workdir")
+    if isinstance(own, str) and own:
+        return str((Path(spec.path).parent / own).resolve())
+    return str(PROJECT_ROOT)

@@ -1,8 +1,11 @@
 """Routing: the one place that decides where a job runs — pool, infra, GPU — and whether it fits.
 
-:func:`route` is pure (no SkyPilot, no Dagster). Every check that can send a job elsewhere or
-refuse it for its size lives here: the GPU the pool offers, multi-node interconnect, the pool's
-cap, the per-user cap, vCPU caps for CPU-only jobs, and what is held right now. The fleet rules
+:func:`route` has no Dagster and no I/O; it reads the task's candidates with SkyPilot's parser and
+the pools' features from SkyPilot's table. Every check that can send a job elsewhere or refuse it
+lives here: the GPU the pool offers, what SkyPilot can do on the pool's infra (ports, spot, images,
+multi-node), the multi-node interconnect, the pool's cap, the per-user cap, vCPU caps for CPU-only
+jobs, and what is held right now. The choice is deterministic: pools in route order, and within a
+pool the pool's GPU preference (a task's GPU set has no order of its own). The fleet rules
 (``rules.py``) take the route as given and never choose again.
 """
 
@@ -13,7 +16,7 @@ from collections.abc import Iterable, Mapping
 
 from gpudoor_pipelines.launch.errors import LaunchConfigError
 from gpudoor_pipelines.launch.fleet import Fleet, Pool, did_you_mean, label_value
-from gpudoor_pipelines.launch.specs import TaskSpec
+from gpudoor_pipelines.launch.specs import Candidate, TaskSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +71,12 @@ class Route:
     reason: str
     skipped: tuple[str, ...] = ()
     vcpus_per_node: int = 0
+    candidate: Candidate | None = None
+
+    @property
+    def use_spot(self) -> bool:
+        """The chosen candidate runs on spot capacity."""
+        return bool(self.candidate and self.candidate.use_spot)
 
     @property
     def accelerators(self) -> str | None:
@@ -89,7 +98,7 @@ class Route:
     def describe(self) -> str:
         """``L4:1 x2 node(s)`` or ``8 vCPUs x1 node(s)``."""
         what = self.accelerators or f"{self.vcpus_per_node} vCPUs"
-        return f"{what} x{self.num_nodes} node(s)"
+        return f"{what} x{self.num_nodes} node(s)" + (" on spot" if self.use_spot else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,29 +108,35 @@ class _Misfit:
     fix: str
 
 
-def _fit(spec: TaskSpec, pool: Pool, fleet: Fleet, user: str, usage: Usage) -> tuple[str | None, int] | _Misfit:
-    """The GPU (or None for CPU-only) and per-node count ``spec`` gets on ``pool``, or why it does not fit."""
+def _fit(spec: TaskSpec, cand: Candidate, pool: Pool, fleet: Fleet, user: str, usage: Usage) -> tuple[str | None, int] | _Misfit:
+    """The GPU (or None for CPU-only) and per-node count ``cand`` gets on ``pool``, or why it does not fit."""
+    from gpudoor_pipelines.launch.features import MULTI_NODE, unsupported
+
     nodes = spec.num_nodes
     multi_node = _Misfit("num_nodes", f"{nodes} nodes on pool '{pool.name}', which has no multi-node interconnect", "use num_nodes: 1 or a multi-node pool")
-    if spec.is_cpu_only:
+    needed = cand.features | ({MULTI_NODE} if nodes > 1 else set())
+    missing = unsupported(pool, frozenset(needed))
+    if cand.accelerator is None:
         if pool.name not in fleet.cpu_route:
             return _Misfit("resources.accelerators", f"pool '{pool.name}' does not take CPU-only jobs", f"ask for a GPU or use one of cpu_route {list(fleet.cpu_route)}")
         if nodes > 1 and not pool.multi_node:
             return multi_node
+        if missing:
+            return _feature_misfit(pool, missing)
         need, held, cap = spec.vcpus * nodes, usage.vcpus.get(pool.name, 0), pool.vcpu_cap
         if cap is not None and need > cap:
             return _Misfit("resources.cpus", f"{need} vCPUs is over pool '{pool.name}' vCPU cap of {cap}", f"ask for at most {cap} vCPUs")
         if cap is not None and held + need > cap:
             return _Misfit("resources.cpus", f"at its vCPU cap ({held}/{cap} vCPUs in use, {need} asked)", "wait for jobs to finish or ask for fewer vCPUs")
         return None, spec.vcpus
-    wanted = ", ".join(f"{g}:{n}" for g, n in spec.accelerators.items())
-    # The pool lists its GPUs in order of preference; the spec's candidates are a set.
-    gpu = next((g for g in pool.gpus if any(g.lower() == w.lower() for w in spec.accelerators)), None)
+    gpu = pool.gpu_named(cand.accelerator)
     if gpu is None:
-        return _Misfit("resources.accelerators", f"pool '{pool.name}' has no {wanted} (it offers {list(pool.gpus)})", f"ask for one of {list(pool.gpus)} or route to a pool that has {wanted}")
+        return _Misfit("resources.accelerators", f"pool '{pool.name}' has no {cand.accelerator} (it offers {list(pool.gpus)})", f"ask for one of {list(pool.gpus)}")
     if nodes > 1 and not pool.multi_node:
         return multi_node
-    per_node = next(n for g, n in spec.accelerators.items() if g.lower() == gpu.lower())
+    if missing:
+        return _feature_misfit(pool, missing)
+    per_node = int(cand.count)
     total = per_node * nodes
     # Usage is read back from job labels, where the user name is in its label form.
     held, mine = usage.gpus.get(pool.name, 0), usage.user_gpus.get((label_value(user), pool.name), 0)
@@ -136,11 +151,35 @@ def _fit(spec: TaskSpec, pool: Pool, fleet: Fleet, user: str, usage: Usage) -> t
     return gpu, per_node
 
 
-def _route_to(spec: TaskSpec, pool: Pool, infra: str, reason: str, picked: tuple[str | None, int], skipped=()) -> Route:
+def _feature_misfit(pool: Pool, missing: dict[str, str]) -> _Misfit:
+    reasons = " ".join(why.rstrip(".") + "." for why in missing.values())
+    return _Misfit("resources", f"pool '{pool.name}' ({pool.infra}) cannot provide {', '.join(missing)}: {reasons}",
+                   f"drop {', '.join(missing)} or route to a pool that has it")  # fmt: skip
+
+
+def _route_to(spec: TaskSpec, pool: Pool, infra: str, reason: str, picked: tuple[str | None, int], cand: Candidate, skipped=()) -> Route:
     gpu, count = picked
     if gpu is None:
-        return Route(pool, infra, None, 0, spec.num_nodes, reason, tuple(skipped), vcpus_per_node=count)
-    return Route(pool, infra, gpu, count, spec.num_nodes, reason, tuple(skipped))
+        return Route(pool, infra, None, 0, spec.num_nodes, reason, tuple(skipped), vcpus_per_node=count, candidate=cand)
+    return Route(pool, infra, gpu, count, spec.num_nodes, reason, tuple(skipped), candidate=cand)
+
+
+def _attempts(spec: TaskSpec, pools: list[Pool]) -> list[tuple[Pool, Candidate]]:
+    """(pool, candidate) pairs in the order they are tried.
+
+    A set: pools in route order, and on each pool its own GPU preference, then fewer GPUs, spot
+    first. ``ordered``: the task's first candidate on every pool, then its second, and so on.
+    """
+    cands = spec.candidates
+    if spec.ordered:
+        return [(p, c) for c in cands for p in pools]
+
+    def on_pool(p: Pool, c: Candidate) -> tuple:
+        gpus = [g.lower() for g in p.gpus]
+        rank = gpus.index(c.accelerator.lower()) if c.accelerator and c.accelerator.lower() in gpus else len(gpus)
+        return (rank, c.count, not c.use_spot)
+
+    return [(p, c) for p in pools for c in sorted(cands, key=lambda c: on_pool(p, c))]
 
 
 def route(
@@ -152,77 +191,94 @@ def route(
     infra: str | None = None,
     user: str = "unknown",
     usage: Usage | None = None,
+    infra_field: tuple[str, str] = ("launch override", "infra"),
 ) -> Route:
-    """Chooses the pool, infra and GPU for a spec, and checks that the job fits there.
+    """Chooses the pool, infra and GPU for a spec, and checks that the job can run and fits there.
 
     Order of rules: an explicit ``infra`` override (with ``pool`` too, the pool must own it: two
-    pools may share one cluster), then an explicit ``pool`` override, then the
-    route of the step kind (the first pool where the job fits), then, for a CPU-only job, the fleet's
-    ``cpu_route``, and for a GPU job the pool its GPU belongs to (``accelerator_routes``).
+    pools may share one cluster), then an explicit ``pool`` override, then the route of the step
+    kind (the launcher's: the asset, or ``--step``), then, for a CPU-only job, the fleet's
+    ``cpu_route``, and for a GPU job every pool that offers one of its GPUs: the GPU's own pool
+    (``accelerator_routes``) first, then the cheapest. The first pool that can run the job wins.
 
     Args:
         spec: the task spec.
         fleet: the fleet.
-        step: the step kind; defaults to ``spec.kind``.
+        step: the step kind, from the launcher; None routes by what the job needs.
         pool: explicit pool override (run config or the ``gpudoor/pool`` run tag).
         infra: explicit SkyPilot infra override (must belong to a pool of the fleet).
         user: who launches, for per-user caps.
         usage: what is held right now; no live cap check without it.
+        infra_field: where ``infra`` came from (file and field), for messages.
 
     Raises:
-        LaunchConfigError: unknown pool or infra, no pool offers what the spec asks, or it does not fit.
+        LaunchConfigError: unknown pool, infra or step, no pool offers what the spec asks, or none
+            of the pools tried can run it (each one named with why).
     """
-    step = step or spec.kind
     usage = usage or Usage()
-    if not spec.is_cpu_only and not any(fleet.pools[p].gpu_named(g) for p in fleet.pools for g in spec.accelerators):
-        wanted = ", ".join(f"{g}:{n}" for g, n in spec.accelerators.items())
+    gpus = [c.accelerator for c in spec.candidates if c.accelerator]
+    wanted = ", ".join(dict.fromkeys(c.describe() for c in spec.candidates))
+    if gpus and not any(fleet.pools[p].gpu_named(g) for p in fleet.pools for g in gpus):
         raise LaunchConfigError(spec.path, "resources.accelerators", f"no pool of the fleet offers {wanted}",
                                 f"ask for one of {sorted(fleet.all_gpus)}, or add a pool that has it to {fleet.source}")  # fmt: skip
 
     def explicit(p: Pool, where: str, reason: str) -> Route:
-        picked = _fit(spec, p, fleet, user, usage)
-        if isinstance(picked, _Misfit):
-            raise LaunchConfigError(spec.path, picked.field, picked.problem, picked.fix)
-        return _route_to(spec, p, where, reason, picked)
+        misfits = []
+        for _, cand in _attempts(spec, [p]):
+            picked = _fit(spec, cand, p, fleet, user, usage)
+            if not isinstance(picked, _Misfit):
+                return _route_to(spec, p, where, reason, picked, cand)
+            misfits.append(picked)
+        first = misfits[0]
+        raise LaunchConfigError(spec.path, first.field, "; ".join(dict.fromkeys(m.problem for m in misfits)), first.fix)
 
     if infra:
         p = fleet.pools.get(pool or "") if pool else fleet.pool_for_infra(infra)
         if pool and (p is None or not p.owns_infra(infra)):
-            raise LaunchConfigError("launch override", "infra", f"'{infra}' does not belong to pool '{pool}'",
+            raise LaunchConfigError(*infra_field, f"'{infra}' does not belong to pool '{pool}'",
                                     f"drop one of the two overrides, or use pool '{pool}''s infra {p.infra if p else '(unknown pool)'}")  # fmt: skip
         if p is None:
-            raise LaunchConfigError("launch override", "infra", f"'{infra}' is not a pool of the fleet ({fleet.source})",
+            raise LaunchConfigError(*infra_field, f"'{infra}' is not a pool of the fleet ({fleet.source})",
                                     f"use one of {[q.infra for q in fleet.pools.values()]} (a partition may follow, e.g. slurm/onprem/debug)")  # fmt: skip
         return explicit(p, infra, f"infra override '{infra}'")
     if pool:
         p = fleet.pool(pool, field="pool override")
         return explicit(p, p.infra, f"pool override '{pool}'")
 
-    if step in fleet.routes:
-        candidates, why = fleet.routes[step], f"route for step '{step}'"
+    if step:
+        if step not in fleet.routes:
+            raise LaunchConfigError(spec.path, "step", f"the fleet has no route for step '{step}'",
+                                    f"use one of {sorted(fleet.routes)}{did_you_mean(step, fleet.routes)}, or launch without a step to route by GPU")  # fmt: skip
+        candidates, why = [fleet.pools[n] for n in fleet.routes[step]], f"route for step '{step}'"
     elif spec.is_cpu_only:
-        candidates, why = fleet.cpu_route, "CPU-only route"
+        candidates, why = [fleet.pools[n] for n in fleet.cpu_route], "CPU-only route"
         if not candidates:
             raise LaunchConfigError(spec.path, "resources.accelerators", f"the job asks for no GPU and no pool of {fleet.source} takes CPU-only jobs",
                                     f"ask for a GPU, or list the pools that take CPU jobs under cpu_route in {fleet.source}")  # fmt: skip
     else:
-        gpu_route = next(((g, fleet.accelerator_routes[k]) for g in spec.accelerators for k in fleet.accelerator_routes if k.lower() == g.lower()), None)
-        if gpu_route is None:
-            wanted = ", ".join(spec.accelerators)
-            raise LaunchConfigError(spec.path, "resources.accelerators", f"step '{step}' has no route and no accelerator route covers {wanted}",
-                                    f"add a route for '{step}' or an accelerator route in {fleet.source}{did_you_mean(step, fleet.routes)}")  # fmt: skip
-        candidates, why = (gpu_route[1],), f"accelerator route {gpu_route[0]} → {gpu_route[1]}"
+        candidates, why = fleet.pools_for_gpus(gpus), f"pools offering {wanted}"
 
     skipped: list[str] = []
-    for name in candidates:
-        p = fleet.pools[name]
-        picked = _fit(spec, p, fleet, user, usage)
+    misfits: list[_Misfit] = []
+    for p, cand in _attempts(spec, candidates):
+        picked = _fit(spec, cand, p, fleet, user, usage)
         if isinstance(picked, _Misfit):
-            skipped.append(f"{name}: {picked.problem}")
+            if cand.accelerator is None or p.gpu_named(cand.accelerator):  # a pool without the GPU is no news
+                skipped.append(f"{p.name}: {cand.describe()}: {picked.problem}")
+                misfits.append(picked)
             continue
         if skipped:
-            why += f" (passed over {', '.join(s.split(':')[0] for s in skipped)})"
-        return _route_to(spec, p, p.infra, why, picked, skipped)
-    raise LaunchConfigError(spec.path, "resources.accelerators",
-                            f"no pool on the {why} {list(candidates)} can take it: {'; '.join(skipped)}",
-                            "ask for what one of these pools offers, wait for capacity, or override the pool")  # fmt: skip
+            why += f" (passed over {', '.join(dict.fromkeys(s.split(':')[0] for s in skipped))})"
+        return _route_to(spec, p, p.infra, why, picked, cand, skipped)
+    names = [p.name for p in candidates]
+    if not skipped:
+        raise LaunchConfigError(spec.path, "resources.accelerators", f"no pool on the {why} {names} offers {wanted}",
+                                f"ask for one of the GPUs of {names}, or launch without a step to route by GPU")  # fmt: skip
+    field = "resources.accelerators"
+    if all(m.field == "num_nodes" for m in misfits):
+        multi = sorted({g for q in fleet.pools.values() if q.multi_node for g in q.gpus})
+        fix = f"use num_nodes: 1, or ask for a GPU of a multi-node pool ({', '.join(multi) or 'none in the fleet'})"
+        field = "num_nodes"
+    else:
+        fix = "change what the reasons name, ask for a GPU another pool offers, or wait for capacity"
+    raise LaunchConfigError(spec.path, field, f"no pool on the {why} {names} can run it: {'; '.join(skipped)}", fix)

@@ -17,9 +17,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, NoReturn
+from typing import Any
 
-from gpudoor_pipelines.launch.errors import PolicyRejection
+from gpudoor_pipelines.launch.errors import LaunchConfigError, PolicyRejection
 from gpudoor_pipelines.launch.fleet import Fleet, label_value
 from gpudoor_pipelines.launch.routing import Route
 
@@ -31,6 +31,10 @@ LABEL_STEP = "gpudoor-step"
 LABEL_ASSET = "dagster-asset"
 LABEL_RUN_ID = "dagster-run-id"
 LABEL_PARTITION = "dagster-partition"
+#: Set by the door's launcher: the launcher checked the task file itself and filled its inputs.
+LABEL_VIA = "gpudoor-via"
+#: The transit bucket's credentials, which the launcher (or the server) passes to every job as secrets.
+TRANSIT_SECRET_NAMES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 POOL_ENV = "GPUDOOR_POOL"
 PRIORITY_FIELD = "config.kubernetes.pod_config.spec.priorityClassName"
 
@@ -57,6 +61,7 @@ class LaunchContext:
     step: str | None = None
     interactive: bool = False
     dagster: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    via: str | None = None
 
     def labels(self) -> dict[str, str]:
         """The context as job labels, with Kubernetes-valid values."""
@@ -78,6 +83,7 @@ class LaunchContext:
             step=labels.get(LABEL_STEP),
             interactive=interactive or labels.get(LABEL_INTERACTIVE) == "true",
             dagster=dagster,
+            via=labels.get(LABEL_VIA),
         )
 
 
@@ -90,11 +96,13 @@ class Injected:
             only where the launcher passes none.
         secrets: credentials (transit bucket), passed as SkyPilot secrets so they are redacted.
         fill_only: set env only where the task has no value yet (the server filling in its settings).
+        require_secrets: a secret the task asks for must have a value by now (the server, last to fill).
     """
 
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     secrets: Mapping[str, str] = dataclasses.field(default_factory=dict, repr=False)
     fill_only: bool = False
+    require_secrets: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,9 +128,11 @@ class Draft:
     source: str
     notes: list[str] = dataclasses.field(default_factory=list)
 
-    def reject(self, field: str, problem: str, fix: str) -> NoReturn:
-        """Refuses the job, naming the file, the field and the fix."""
-        raise PolicyRejection(self.source, field, problem, fix)
+    problems: list[LaunchConfigError] = dataclasses.field(default_factory=list)
+
+    def reject(self, field: str, problem: str, fix: str) -> None:
+        """Refuses the job, naming the file, the field and the fix (every rule still runs: all problems at once)."""
+        self.problems.append(PolicyRejection(self.source, field, problem, fix))
 
     @property
     def resources(self) -> dict[str, Any]:
@@ -135,15 +145,21 @@ def cost_owner_rule(d: Draft) -> None:
     owners = list(d.fleet.cost_owners)
     if not d.ctx.cost_owner:
         d.reject(f"labels.{LABEL_COST_OWNER}", "no cost owner", f"set the cost owner (one of {owners})")
-    if owners and d.ctx.cost_owner not in owners:
+    elif owners and d.ctx.cost_owner not in owners:
         d.reject(f"labels.{LABEL_COST_OWNER}", f"unknown cost owner '{d.ctx.cost_owner}'", f"use one of {owners} or add it to cost_owners in {d.fleet.source}")
 
 
 def placement_rule(d: Draft) -> None:
-    """Pins what routing chose: the infra, and the one GPU out of the spec's candidates."""
+    """Pins what routing chose: the infra, and the one candidate (GPU, spot or not) out of the spec's set."""
+    for key in ("any_of", "ordered", "accelerators", "use_spot"):
+        d.resources.pop(key, None)
+    if d.route.candidate is not None:
+        d.resources.update({k: copy.deepcopy(v) for k, v in d.route.candidate.fields if k not in ("accelerators", "labels")})
     d.resources["infra"] = d.route.infra
     if d.route.accelerators:
         d.resources["accelerators"] = d.route.accelerators
+    if d.route.use_spot:
+        d.resources["use_spot"] = True
 
 
 def priority_class_rule(d: Draft) -> None:
@@ -168,8 +184,16 @@ def autostop_rule(d: Draft) -> None:
 
 
 def labels_rule(d: Draft) -> None:
-    """Who pays, who launched, which Dagster run and asset, which pool: on every job."""
-    d.resources["labels"] = {**(d.resources.get("labels") or {}), **d.ctx.labels(), LABEL_POOL: label_value(d.route.pool.name)}
+    """Who pays, who launched, which Dagster run and asset, which pool: on every job.
+
+    The door's own labels (``gpudoor-*``, ``dagster-*``) come from the launch context only; a task's
+    own values for them are dropped (its cost owner was read into the context before).
+    """
+    own = {str(k): v for k, v in (d.resources.get("labels") or {}).items() if not str(k).startswith(("gpudoor-", "dagster-"))}
+    ours = d.ctx.labels()
+    if d.ctx.via:
+        ours[LABEL_VIA] = label_value(d.ctx.via)
+    d.resources["labels"] = {**own, **ours, LABEL_POOL: label_value(d.route.pool.name)}
 
 
 def pool_env(route: Route) -> dict[str, str]:
@@ -187,9 +211,27 @@ def env_rule(d: Draft) -> None:
 
 
 def secrets_rule(d: Draft) -> None:
-    """Credentials reach the job as SkyPilot secrets (redacted in logs), never as env."""
-    if d.injected.secrets:
-        d.task["secrets"] = {**(d.task.get("secrets") or {}), **d.injected.secrets}
+    """Credentials reach the job as SkyPilot secrets (redacted in logs), never as env.
+
+    A task may ask by name for the secrets the fleet lists (``secrets: {HF_TOKEN: null}``); the value
+    comes from the launcher's environment, or from the API server's (``GPUDOOR_POLICY_<NAME>``).
+    """
+    asked = {str(k): v for k, v in (d.task.get("secrets") or {}).items()}
+    allowed = set(d.fleet.secrets) | set(TRANSIT_SECRET_NAMES)
+    for name in asked:
+        if name not in allowed:
+            d.reject(f"secrets.{name}", f"'{name}' is not a secret jobs may ask for",
+                     f"use one of {sorted(d.fleet.secrets)}, or ask the fleet's admins to add it to `secrets` in {d.fleet.source}")  # fmt: skip
+    filled = {k: v for k, v in asked.items() if v not in (None, "")}
+    for name, value in d.injected.secrets.items():
+        if not (d.injected.fill_only and filled.get(name)) and value:
+            filled[name] = value
+    missing = sorted(k for k in asked if k in allowed and not filled.get(k))
+    if missing and d.injected.require_secrets:
+        d.reject(f"secrets.{missing[0]}", f"no value for {', '.join(missing)}",
+                 "set it in the launcher's environment, or as GPUDOOR_POLICY_<NAME> on the API server")  # fmt: skip
+    if filled or asked:
+        d.task["secrets"] = {k: filled.get(k) for k in {**asked, **filled}}
 
 
 RULES: tuple[Callable[[Draft], None], ...] = (
@@ -214,10 +256,12 @@ def apply_rules(
     d = Draft(copy.deepcopy(dict(config)), route, ctx, fleet, injected or Injected(), source)
     for rule in RULES:
         rule(d)
+    if d.problems:
+        raise LaunchConfigError.combine(d.problems)
     return RuleResult(
         config=d.task,
         injected_env=pool_env(route),
-        secret_names=tuple(sorted(d.injected.secrets)),
+        secret_names=tuple(sorted(d.task.get("secrets") or {})),
         labels=dict(d.resources["labels"]),
         notes=tuple(d.notes),
     )

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from gpudoor_pipelines.launch.errors import LaunchConfigError
-from gpudoor_pipelines.launch.fleet import DEFAULT_SPECS_DIR
+from gpudoor_pipelines.launch.fleet import DEFAULT_SPECS_DIR, Fleet
 
 # Top-level fields of a SkyPilot task (sky/utils/schemas.py:get_task_schema, 0.14.1).
 SKYPILOT_TASK_FIELDS = frozenset(
@@ -27,21 +27,47 @@ SKYPILOT_TASK_FIELDS = frozenset(
         "setup", "run", "envs", "secrets", "volumes", "config", "_user_specified_yaml",
     }
 )  # fmt: skip
-# Fields that would pin a spec to one cluster or carry data locations: the fleet owns them.
-_TARGET_FIELDS = {
-    "infra": "the route picks the pool; override it with the launch's `pool`/`infra` config or the `gpudoor/pool` run tag",
-    "cloud": "the route picks the pool; override it with the launch's `pool`/`infra` config",
-    "region": "the route picks the pool",
-    "zone": "the route picks the pool",
-}
 _FORBIDDEN_TOP = {
-    "file_mounts": "data crosses clusters only through the transit bucket; the launcher passes input/output URIs as env",
-    "workdir": "the launcher syncs the project's workloads itself",
-    "secrets": "credentials are injected by the fleet policy and never live in a task file",
-    "volumes": "per-cluster volumes are injected by the fleet policy",
+    "file_mounts": "data crosses clusters only through the transit bucket: the launcher passes input and output URIs as env",
+    "volumes": "per-cluster paths are injected by the fleet (the pool's `env` in task_specs/fleet.yaml)",
+    "service": "the door launches jobs and demos, not SkyServe services: launch the server as a demo (a cluster with `ports`)",
 }
 _PATHLIKE = re.compile(r"^(/|~|[a-z0-9]+://)", re.IGNORECASE)
-_SECRETLIKE = re.compile(r"(KEY|SECRET|TOKEN|PASSWORD|CREDENTIAL)", re.IGNORECASE)
+#: Whole parts of an env name that mark a credential (``HF_TOKEN``, ``WANDB_API_KEY``; not ``MAX_TOKENS``).
+CREDENTIAL_NAME_PARTS = frozenset({"TOKEN", "KEY", "SECRET", "SECRETS", "PASSWORD", "PASSWD", "CREDENTIAL", "CREDENTIALS"})
+
+
+def looks_like_credential(name: str) -> bool:
+    """Whether an env name has a credential word as one of its ``_``-separated parts."""
+    return any(part in CREDENTIAL_NAME_PARTS for part in str(name).upper().split("_"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One resource set a task accepts, as SkyPilot reads it (a task with a GPU set has several).
+
+    Attributes:
+        accelerator: the GPU type (None: a CPU-only candidate).
+        count: GPUs per node.
+        use_spot: the candidate asks for spot capacity.
+        features: SkyPilot cloud features the candidate needs (``open_ports``, ``spot_instance``, ...).
+        fields: the candidate's own resource fields (an ``any_of``/``ordered`` entry), pinned when chosen.
+    """
+
+    accelerator: str | None
+    count: float
+    use_spot: bool = False
+    features: frozenset[str] = frozenset()
+    fields: tuple[tuple[str, Any], ...] = ()
+
+    def describe(self) -> str:
+        """``L4:1``, ``L4:1 (spot)``, or ``CPU-only``."""
+        what = f"{self.accelerator}:{_count_text(self.count)}" if self.accelerator else "CPU-only"
+        return what + (" (spot)" if self.use_spot else "")
+
+
+def _count_text(count: float) -> str:
+    return str(int(count)) if float(count).is_integer() else str(count)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,13 +76,16 @@ class TaskSpec:
 
     Attributes:
         path: the YAML file.
-        kind: the step kind (the file's stem: ``caption``, ``train``, ...), used for routing.
+        kind: the file's stem (``caption``, ``train``, ...), which names its jobs; the route comes
+            from the launcher's step, never from the file's name.
         config: the task YAML as a mapping (never mutated; copy before changing).
+        problems: what the door refuses in the file, when loaded without ``strict``.
     """
 
     path: str
     kind: str
     config: dict[str, Any]
+    problems: tuple[LaunchConfigError, ...] = ()
 
     @property
     def name(self) -> str:
@@ -81,7 +110,18 @@ class TaskSpec:
     @property
     def is_cpu_only(self) -> bool:
         """A job that asks for no GPU (data prep, merges): routed to the fleet's CPU pools."""
-        return not self.accelerators
+        return all(c.accelerator is None for c in self.candidates)
+
+    @functools.cached_property
+    def candidates(self) -> tuple[Candidate, ...]:
+        """The resource sets the task accepts, read by SkyPilot's own parser (imports ``sky``)."""
+        return sky_candidates(self.config.get("resources") or {}, self.path)
+
+    @property
+    def ordered(self) -> bool:
+        """The candidates are in order of preference (``ordered:`` or a list of accelerators), not a set."""
+        resources = self.config.get("resources") or {}
+        return "ordered" in resources or isinstance(resources.get("accelerators"), list)
 
     @property
     def vcpus(self) -> int:
@@ -108,7 +148,8 @@ def parse_accelerators(value: Any, source: str = "(spec)") -> dict[str, int]:
     if isinstance(value, str):
         items = [_split_accel(value)]
     elif isinstance(value, dict):
-        items = list(value.items())
+        # SkyPilot's set form `{H100:8, A100:8}` is a mapping of `TYPE:COUNT` keys with no values.
+        items = [_split_accel(str(k)) if v is None and ":" in str(k) else (k, v) for k, v in value.items()]
     elif isinstance(value, list):
         items = [_split_accel(str(v)) for v in value]
     else:
@@ -159,68 +200,172 @@ def _split_accel(text: str) -> tuple[str, Any]:
     return name.strip(), (count.strip() or 1)
 
 
-def check_spec_config(config: Any, source: str, kind: str) -> None:
-    """The project's own checks, cheap and SkyPilot-free; run at definitions load and before launch.
+def task_problems(config: Any, source: str, *, launcher_inputs: bool = False, from_file: bool = True) -> list[LaunchConfigError]:
+    """Every problem of a task file the door refuses, without SkyPilot: the same on client and server.
 
-    Raises:
-        LaunchConfigError: naming the file, the field and the fix.
+    Args:
+        config: the task YAML mapping.
+        source: the file (or task) for messages.
+        launcher_inputs: the task came through the door's launcher, which fills input URIs into its
+            env; the rule that a task file holds no path is then checked on the file by the launcher.
+        from_file: ``config`` is the file as written (not a task the server received, whose secrets
+            always carry values: from the file or from ``--secret``, which it cannot tell apart).
     """
     if not isinstance(config, dict):
-        raise LaunchConfigError(
-            source, "(top level)", "a task spec must be a YAML mapping", "see task_specs/caption.yaml"
-        )
+        return [LaunchConfigError(source, "(top level)", "a task spec must be a YAML mapping", "see task_specs/caption.yaml")]
+    problems: list[LaunchConfigError] = []
+
+    def add(field: str, problem: str, fix: str) -> None:
+        problems.append(LaunchConfigError(source, field, problem, fix))
+
     for key in config:
         if key not in SKYPILOT_TASK_FIELDS:
             close = difflib.get_close_matches(str(key), sorted(SKYPILOT_TASK_FIELDS), n=1)
-            hint = (
-                f"did you mean '{close[0]}'?"
-                if close
-                else f"known fields: {sorted(SKYPILOT_TASK_FIELDS - {'_user_specified_yaml'})}"
-            )
-            raise LaunchConfigError(
-                source, str(key), "unknown field in a SkyPilot task", f"remove it; {hint}"
-            )
-        if key in _FORBIDDEN_TOP:
-            raise LaunchConfigError(
-                source, key, "not allowed in a task spec", f"remove it: {_FORBIDDEN_TOP[key]}"
-            )
-    if not config.get("run"):
-        raise LaunchConfigError(source, "run", "missing", "add the command the job runs")
+            hint = f"did you mean '{close[0]}'?" if close else f"known fields: {sorted(SKYPILOT_TASK_FIELDS - {'_user_specified_yaml'})}"
+            add(str(key), "unknown field in a SkyPilot task", f"remove it; {hint}")
+        elif key in _FORBIDDEN_TOP and config[key]:
+            add(key, "not taken by the door", f"remove it: {_FORBIDDEN_TOP[key]}")
+    if isinstance(config.get("workdir"), dict):
+        add("workdir", "a git workdir is not synced by the door", "clone the repository in `setup`, or use a local folder as workdir")
     resources = config.get("resources") or {}
     if not isinstance(resources, dict):
-        raise LaunchConfigError(
-            source, "resources", "must be a mapping", "write resources as `accelerators: H100:1` etc."
-        )
-    for key, why in _TARGET_FIELDS.items():
-        if key in resources:
-            raise LaunchConfigError(
-                source, f"resources.{key}", "pins the spec to one target", f"remove it: {why}"
-            )
-    parse_accelerators(resources.get("accelerators"), source)
-    parse_cpus(resources.get("cpus"), source)
+        add("resources", "must be a mapping", "write resources as `accelerators: H100:1` etc.")
+        resources = {}
+    entries = [("resources", resources)]
+    for key in ("any_of", "ordered"):
+        entries += [(f"resources.{key}[{i}]", e) for i, e in enumerate(resources.get(key) or []) if isinstance(e, dict)]
+    for where, entry in entries:
+        for bad in (_accel_problem(entry.get("accelerators"), source, f"{where}.accelerators"), _cpus_problem(entry.get("cpus"), source, f"{where}.cpus")):
+            if bad:
+                problems.append(bad)
+    secrets = config.get("secrets") or {}
+    if not isinstance(secrets, dict):
+        add("secrets", "must be a mapping", "write `secrets: {HF_TOKEN: null}`")
+    elif from_file:
+        for name, value in secrets.items():
+            if value not in (None, ""):
+                add(f"secrets.{name}", "holds a value: a secret never lives in a task file",
+                    f"write `{name}: null`; the value comes from the launcher's environment")  # fmt: skip
     num_nodes = config.get("num_nodes", 1)
     if not isinstance(num_nodes, int) or num_nodes < 1:
-        raise LaunchConfigError(
-            source, "num_nodes", f"{num_nodes!r} is not a positive whole number", "use e.g. `num_nodes: 2`"
-        )
+        add("num_nodes", f"{num_nodes!r} is not a positive whole number", "use e.g. `num_nodes: 2`")
     envs = config.get("envs") or {}
     if not isinstance(envs, dict):
-        raise LaunchConfigError(source, "envs", "must be a mapping", "write `envs: {NAME: value}`")
+        add("envs", "must be a mapping", "write `envs: {NAME: value}`")
+        envs = {}
     for name, value in envs.items():
-        if _SECRETLIKE.search(str(name)):
-            raise LaunchConfigError(
-                source,
-                f"envs.{name}",
-                "looks like a credential",
-                "remove it: credentials are injected as SkyPilot secrets by the fleet policy",
-            )
-        if value is not None and _PATHLIKE.match(str(value)):
-            raise LaunchConfigError(
-                source,
-                f"envs.{name}",
-                f"holds a path or URI ({value!r})",
-                "remove it: per-cluster paths come from the pool's `env` in task_specs/fleet.yaml, data URIs from the launcher",
-            )
+        if looks_like_credential(name):
+            add(f"envs.{name}", "looks like a credential", "declare it under `secrets:` with no value (`secrets: {NAME: null}`); "
+                "the fleet lists the secrets a job may ask for, and the value comes from the launcher's environment")  # fmt: skip
+        elif not launcher_inputs and value is not None and _PATHLIKE.match(str(value)):
+            add(f"envs.{name}", f"holds a path or URI ({value!r})",
+                "remove it: per-cluster paths come from the pool's `env` in task_specs/fleet.yaml, data URIs from the launcher")  # fmt: skip
+    return problems
+
+
+def task_infra(resources: dict[str, Any], source: str, fleet: Fleet, problems: list[LaunchConfigError]) -> str | None:
+    """The infra a task names itself (``infra``, or ``cloud``/``region``/``zone``), on its own or in every candidate.
+
+    A task may name a pool's infra (``k8s/inference-prod``) as ``--infra`` would; routing then treats
+    it as an override. One that is no pool of the fleet, or candidates naming different infras, add
+    a problem to ``problems`` and route as if no infra was named (so every other problem shows too).
+    The field is always ``resources.infra``: SkyPilot writes ``cloud``/``region`` and each
+    candidate's infra back as ``infra``, and the server must name the same field.
+    """
+
+    def one(entry: dict[str, Any]) -> str | None:
+        if entry.get("infra"):
+            return str(entry["infra"])
+        cloud = entry.get("cloud")
+        return "/".join(str(x) for x in (cloud, entry.get("region"), entry.get("zone")) if x) if cloud else None
+
+    base = one(resources)
+    entries = [e for e in (resources.get("any_of") or resources.get("ordered") or []) if isinstance(e, dict)]
+    found = sorted({str(one(e) or base) for e in entries if one(e) or base} if entries else ({base} if base else set()))
+    if not found:
+        return None
+    if len(found) > 1:
+        problems.append(LaunchConfigError(source, "resources.infra", f"the candidates name different infras {found}", "remove infra: the route picks the pool"))
+        return None
+    infra = found[0]
+    if fleet.pool_for_infra(infra) is None:
+        problems.append(LaunchConfigError(source, "resources.infra", f"'{infra}' is not a pool of the fleet ({fleet.source})",
+                                          f"remove it: the route picks the pool (or name one of {[p.infra for p in fleet.pools.values()]})"))  # fmt: skip
+        return None
+    return infra
+
+
+def _accel_problem(value: Any, source: str, field: str) -> LaunchConfigError | None:
+    try:
+        parse_accelerators(value, source)  # counts are whole numbers: the fleet lends whole GPUs
+    except LaunchConfigError as e:
+        return LaunchConfigError(source, field, e.problem, e.fix)
+    return None
+
+
+def _cpus_problem(value: Any, source: str, field: str) -> LaunchConfigError | None:
+    try:
+        parse_cpus(value, source)
+    except LaunchConfigError as e:
+        return LaunchConfigError(source, field, e.problem, e.fix)
+    return None
+
+
+def check_spec_config(config: Any, source: str, kind: str = "") -> None:
+    """The project's own checks, cheap and SkyPilot-free; run at definitions load and before launch.
+
+    Raises:
+        LaunchConfigError: naming the file, the field and the fix (every problem, at once).
+    """
+    problems = task_problems(config, source)
+    if problems:
+        raise LaunchConfigError.combine(problems)
+
+
+def sky_candidates(resources: dict[str, Any], source: str = "(spec)") -> tuple[Candidate, ...]:
+    """The candidates of a task's ``resources``, as SkyPilot's ``Resources.from_yaml_config`` reads them.
+
+    A set (``{L4:1, H100:1}``, ``any_of``) comes back in a fixed order (by GPU, count, spot), so the
+    choice among them never depends on hashing; a list or ``ordered`` keeps the user's order.
+
+    Raises:
+        LaunchConfigError: SkyPilot cannot read the resources.
+    """
+    from gpudoor_pipelines.launch import sky_env
+
+    sky_env.prepare()
+    import sky
+
+    base = {k: v for k, v in resources.items() if k not in ("any_of", "ordered")}
+    entries = resources.get("any_of") or resources.get("ordered") or [{}]
+    out: list[Candidate] = []
+    for entry in entries:
+        own = {k: v for k, v in dict(entry).items() if k != "accelerators"}
+        try:
+            parsed = sky.Resources.from_yaml_config(copy.deepcopy({**base, **dict(entry)}))
+        except Exception as e:  # SkyPilot raises ValueError and its own errors alike.
+            message = " ".join(str(e).split())[:400]
+            raise LaunchConfigError(source, "resources", f"SkyPilot cannot read the resources: {message}", "correct them as SkyPilot says") from None
+        found = []
+        for r in parsed:
+            (gpu, count), = (r.accelerators or {None: 0}).items()
+            features = frozenset(f.value for f in r.get_required_cloud_features())
+            found.append(Candidate(gpu, count, bool(r.use_spot), features, tuple(sorted(own.items(), key=lambda kv: kv[0]))))
+        if isinstance(parsed, set):
+            found.sort(key=_candidate_key)
+        out += found
+    if "ordered" not in resources:
+        is_list = isinstance(resources.get("accelerators"), list)
+        if not is_list:
+            out.sort(key=_candidate_key)
+    unique: dict[str, Candidate] = {}
+    for c in out:
+        unique.setdefault(repr(c), c)
+    return tuple(unique.values())
+
+
+def _candidate_key(c: Candidate) -> tuple[Any, ...]:
+    return ((c.accelerator or "").lower(), c.count, not c.use_spot, repr(c.fields))
 
 
 def validate_with_skypilot(config: dict[str, Any], source: str) -> None:
@@ -265,25 +410,36 @@ def spec_path(name_or_path: str | Path, specs_dir: str | Path | None = None) -> 
 def _load_cached(path: str, mtime: float, kind: str, skypilot: bool) -> TaskSpec:
     with open(path) as f:
         try:
-            raw = yaml.safe_load(f)
+            documents = [d for d in yaml.safe_load_all(f) if d is not None]
         except yaml.YAMLError as e:
             raise LaunchConfigError(path, "(yaml)", f"not valid YAML: {e}", "fix the YAML syntax") from None
-    check_spec_config(raw, path, kind)
+    if len(documents) > 1:
+        raise LaunchConfigError(path, "(documents)", f"{len(documents)} YAML documents: a pipeline or job group",
+                                "pipelines and job groups are not supported yet; launch each task on its own")  # fmt: skip
+    raw = documents[0] if documents else None
+    problems = task_problems(raw, path)
+    if not isinstance(raw, dict):
+        raise LaunchConfigError.combine(problems)
     if skypilot:
-        validate_with_skypilot(raw, path)
-    return TaskSpec(path=path, kind=kind, config=raw)
+        try:
+            validate_with_skypilot(raw, path)
+        except LaunchConfigError as e:  # SkyPilot cannot read it: nothing can be routed, say all now
+            raise LaunchConfigError.combine([*problems, e]) from None
+    return TaskSpec(path=path, kind=kind, config=raw, problems=tuple(problems))
 
 
 def load_spec(
-    name_or_path: str | Path, specs_dir: str | Path | None = None, kind: str | None = None, *, skypilot: bool = False
+    name_or_path: str | Path, specs_dir: str | Path | None = None, kind: str | None = None, *, skypilot: bool = False, strict: bool = True
 ) -> TaskSpec:
     """Loads a task spec and checks it, once per file version (cached by path and modification time).
 
     Args:
         name_or_path: ``caption``, ``caption.yaml`` or a path.
         specs_dir: where named specs live (default ``task_specs/``).
-        kind: the step kind; defaults to the file's stem.
+        kind: the spec's kind (names its jobs); defaults to the file's stem. Routing never reads it.
         skypilot: also parse it with SkyPilot's own ``sky.Task`` (imports ``sky``); launches do.
+        strict: raise the file's own problems now; otherwise they travel in ``TaskSpec.problems``
+            so that :func:`~gpudoor_pipelines.launch.request.resolve` reports them with every other.
 
     Raises:
         LaunchConfigError: the file is missing or invalid.
@@ -293,4 +449,7 @@ def load_spec(
         raise LaunchConfigError(
             str(p), "(file)", "expected task spec does not exist", f"create {p.name} in {p.parent}"
         )
-    return _load_cached(str(p.resolve()), p.stat().st_mtime, kind or p.stem, skypilot)
+    spec = _load_cached(str(p.resolve()), p.stat().st_mtime, kind or p.stem, skypilot)
+    if strict and spec.problems:
+        raise LaunchConfigError.combine(list(spec.problems))
+    return spec

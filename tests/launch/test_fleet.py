@@ -59,3 +59,29 @@ def test_fleet_file_missing_or_not_yaml(tmp_path):
     bad.write_text("pools: [unclosed")
     with pytest.raises(LaunchConfigError, match="not valid YAML"):
         load_fleet(bad)
+
+
+def test_a_pool_declares_only_features_skypilot_knows():
+    from gpudoor_pipelines.launch.fleet import SKYPILOT_FEATURES
+
+    raw = yaml.safe_load((SPECS_DIR / "fleet.yaml").read_text())
+    raw["pools"]["inference"]["features"] = ["spot_instance", "spot_instanse"]
+    with pytest.raises(LaunchConfigError, match="did you mean 'spot_instance'") as err:
+        parse_fleet(raw, "fleet.yaml")
+    assert err.value.field == "pools.inference.features[1]"
+    # The names are SkyPilot's own.
+    from sky.clouds import CloudImplementationFeatures
+
+    assert SKYPILOT_FEATURES <= {f.value for f in CloudImplementationFeatures}
+
+
+def test_a_declared_feature_opens_the_pool_to_jobs_that_need_it(tmp_path):
+    """Spot nodes on the inference cluster, declared in the fleet: a spot job stays on the free pool."""
+    from gpudoor_pipelines.launch.routing import route
+    from gpudoor_pipelines.launch.specs import load_spec
+
+    raw = yaml.safe_load((SPECS_DIR / "fleet.yaml").read_text())
+    raw["pools"]["inference"]["features"] = ["spot_instance"]
+    p = tmp_path / "spot.yaml"
+    p.write_text(yaml.safe_dump({"name": "s", "resources": {"accelerators": "L4:1", "use_spot": True}, "run": "true"}))
+    assert route(load_spec(p), parse_fleet(raw, "fleet.yaml")).pool.name == "inference"

@@ -99,8 +99,15 @@ def _rejected(sky, config, match, **kw):
     return err
 
 
-def test_rejects_missing_cost_owner(sky):
-    _rejected(sky, _spec("eval", infra="k8s/inference-prod"), "no cost owner")
+def test_a_task_naming_no_cost_owner_is_billed_to_the_fleet_default(sky):
+    """As the launcher and `gpudoor where` do: the same task gets the same cost owner everywhere."""
+    task = _apply(sky, _spec("eval", infra="k8s/inference-prod"))
+    assert _resources(task).labels["gpudoor-cost-owner"] == "ml-research"
+
+
+def test_a_task_keeps_its_own_cost_owner(sky):
+    task = _apply(sky, _spec("eval", infra="k8s/inference-prod", labels={"gpudoor-cost-owner": "ml-engineering"}))
+    assert _resources(task).labels["gpudoor-cost-owner"] == "ml-engineering"
 
 
 def test_rejects_unknown_cost_owner(sky):
@@ -182,3 +189,29 @@ def test_two_pools_on_one_cluster_keep_the_routed_pool(sky, tmp_path, monkeypatc
     assert task.envs["LOCAL_CACHE_DIR"] == "/spare" and _resources(task).labels["gpudoor-pool"] == "spare"
     task = _apply(sky, _spec("eval", infra="k8s/inference-prod", labels=OWNER))
     assert task.envs["LOCAL_CACHE_DIR"] == "/cache/gpudoor"
+
+
+def test_an_unnamed_task_is_called_so(sky):
+    config = {"resources": {"accelerators": "A100:1"}, "run": "true"}
+    err = _rejected(sky, config, "no pool of the fleet offers A100:1", at_client_side=False)
+    assert "the unnamed task" in str(err.value) and "'None'" not in str(err.value)
+
+
+def test_the_choice_among_gpu_alternatives_does_not_depend_on_the_hash_seed(tmp_path):
+    """SkyPilot keeps a GPU set as a Python set; the policy must not pick by its iteration order."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sky, json\n"
+        "from gpudoor_pipelines.launch.policy import mutate_config, task_config\n"
+        "from gpudoor_pipelines.launch.fleet import load_fleet\n"
+        "task = sky.Task.from_yaml_config({'name': 'sweep', 'run': 'true', 'resources': {'accelerators': {'L4:4': None, 'A100:1': None, 'L4:1': None, 'L40S:1': None}}})\n"
+        "print(mutate_config(task_config(task, 't'), load_fleet())['resources']['accelerators'])\n"
+    )
+    seen = set()
+    for seed in ("1", "2", "3"):
+        out = subprocess.run([sys.executable, "-c", probe], env={**__import__("os").environ, "PYTHONHASHSEED": seed},
+                             capture_output=True, text=True, check=True)  # fmt: skip
+        seen.add(out.stdout.strip().splitlines()[-1])
+    assert seen == {"L4:1"}

@@ -16,7 +16,7 @@ from gpudoor_pipelines.launch.specs import load_spec
 
 def test_resolve_is_pure_and_names_the_job_after_the_run():
     request = LaunchRequest(spec=load_spec("caption"), inputs={"SHARD_URI": "s3://b/shard-003"}, env={"CAPTION_MODEL": "color-shape-v1"},
-                            asset="caption_shards", partition="shard-003", dagster={"dagster/run-id": "0123abcd-ffff"})  # fmt: skip
+                            asset="caption_shards", partition="shard-003", dagster={"dagster/run-id": "0123abcd-ffff"}, step="caption")  # fmt: skip
     first, second = resolve(request, load_fleet()), resolve(request, load_fleet())
     assert first == second and first.name == "caption-shards-shard-003-0123abcd"
     assert first.config["envs"]["SHARD_URI"] == "s3://b/shard-003" and first.config["envs"]["CAPTION_MODEL"] == "color-shape-v1"
@@ -27,7 +27,7 @@ def test_resolve_is_pure_and_names_the_job_after_the_run():
 def test_resolve_uses_live_usage_and_refuses_undeclared_env():
     spec = load_spec("caption")
     full = Usage(gpus={"onprem": 16})
-    assert resolve(LaunchRequest(spec=spec), load_fleet(), usage=full).pool == "inference"
+    assert resolve(LaunchRequest(spec=spec, step="caption"), load_fleet(), usage=full).pool == "inference"
     with pytest.raises(LaunchConfigError) as err:
         resolve(LaunchRequest(spec=spec, env={"CAPTION_MODL": "x"}), load_fleet())
     assert err.value.field == "env.CAPTION_MODL" and "CAPTION_MODEL" in err.value.fix
@@ -35,9 +35,9 @@ def test_resolve_uses_live_usage_and_refuses_undeclared_env():
 
 @pytest.mark.parametrize("spec", ["caption", "train", "eval", "smoke", "demo"])
 def test_where_shows_exactly_what_resolve_gives(capsys, spec):
-    assert main(["where", spec, "--json"]) == 0
+    assert main(["where", spec, "--step", spec, "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    job = resolve(LaunchRequest(spec=load_spec(spec), user=shown["labels"]["gpudoor-user"], asset="(gpudoor where)"), load_fleet())
+    job = resolve(LaunchRequest(spec=load_spec(spec), user=shown["labels"]["gpudoor-user"], asset="(gpudoor where)", step=spec), load_fleet())
     assert (shown["pool"], shown["infra"], shown["accelerators"]) == (job.pool, job.route.infra, job.route.accelerators)
     assert shown["labels"] == job.labels and shown["injected_env"] == job.pool_env and shown["policy"] == list(job.notes)
 

@@ -1,4 +1,4 @@
-"""Routing: by step kind, by accelerator, explicit overrides, caps; bad routes fail before launch."""
+"""Routing: by the launcher's step kind, by what the job needs, explicit overrides, caps; bad routes fail before launch."""
 
 from __future__ import annotations
 
@@ -22,13 +22,13 @@ def fleet():
     [("caption", "onprem", "RTX6000-Ada"), ("train", "h200", "H200"), ("smoke", "h200", "H200"), ("eval", "inference", "L4"), ("demo", "inference", "L4")],
 )
 def test_each_step_goes_to_its_first_pool(fleet, spec, pool, gpu):
-    r = route(load_spec(spec), fleet)
+    r = route(load_spec(spec), fleet, step=spec)
     assert (r.pool.name, r.accelerator) == (pool, gpu)
     assert r.infra == fleet.pools[pool].infra
 
 
 def test_caption_spills_to_inference_when_onprem_is_full(fleet):
-    r = route(load_spec("caption"), fleet, usage=Usage(gpus={"onprem": fleet.pools["onprem"].gpu_cap}))
+    r = route(load_spec("caption"), fleet, step="caption", usage=Usage(gpus={"onprem": fleet.pools["onprem"].gpu_cap}))
     assert r.pool.name == "inference"
     assert r.accelerator == "L4"
     assert "onprem" in r.reason and "cap" in r.skipped[0]
@@ -36,13 +36,13 @@ def test_caption_spills_to_inference_when_onprem_is_full(fleet):
 
 def test_eval_falls_through_to_on_demand(fleet):
     full = {p: fleet.pools[p].gpu_cap for p in ("inference", "onprem")}
-    assert route(load_spec("eval"), fleet, usage=Usage(gpus=full)).pool.name == "ondemand"
+    assert route(load_spec("eval"), fleet, step="eval", usage=Usage(gpus=full)).pool.name == "ondemand"
 
 
 def test_everything_full_is_a_clear_error(fleet):
     full = {p.name: p.gpu_cap for p in fleet.pools.values()}
     with pytest.raises(LaunchConfigError, match="cap"):
-        route(load_spec("eval"), fleet, usage=Usage(gpus=full))
+        route(load_spec("eval"), fleet, step="eval", usage=Usage(gpus=full))
 
 
 def test_pool_override_wins(fleet):
@@ -74,11 +74,35 @@ def test_override_to_pool_without_the_gpu(fleet):
     assert "H200" in str(err.value)
 
 
-def test_accelerator_route_when_step_has_no_route(fleet, tmp_path):
-    p = tmp_path / "notebook.yaml"
-    p.write_text(yaml.safe_dump({"name": "nb", "resources": {"accelerators": "H200:1"}, "run": "true"}))
+def test_without_a_step_a_job_goes_by_its_gpu_not_its_file_name(fleet, tmp_path):
+    """An ad-hoc file: every pool that offers its GPU, the GPU's own pool first, then the cheapest."""
+    p = tmp_path / "train.yaml"  # named like a step, but no launcher said so
+    p.write_text(yaml.safe_dump({"name": "nb", "resources": {"accelerators": "H100:1"}, "run": "true"}))
     r = route(load_spec(p), fleet)
-    assert r.pool.name == "h200" and "accelerator route" in r.reason
+    assert r.pool.name == "inference" and r.reason == "pools offering H100:1"
+    assert route(load_spec(p), fleet, usage=Usage(gpus={"inference": 8})).pool.name == "ondemand"
+    with pytest.raises(LaunchConfigError, match="no route for step 'trian'.*did you mean 'train'") as err:
+        route(load_spec(p), fleet, step="trian")
+    assert err.value.field == "step"
+
+
+def test_a_gpu_set_is_any_of_its_gpus_and_the_choice_never_depends_on_hashing(fleet, tmp_path):
+    p = tmp_path / "sweep.yaml"
+    p.write_text("name: sweep\nresources:\n  accelerators: {L4:4, A100:1, L4:1}\nrun: 'true'\n")
+    assert route(load_spec(p), fleet).accelerators == "L4:1"  # fewer GPUs first; A100 is nowhere
+    p.write_text("name: big\nresources:\n  accelerators: {H100:8, A100-80GB:8, H200:8}\nrun: 'true'\n")
+    assert (route(load_spec(p), fleet).pool.name, route(load_spec(p), fleet).accelerators) == ("h200", "H200:8")
+
+
+def test_a_job_goes_only_where_skypilot_can_run_it(fleet, tmp_path):
+    """Ports are not supported on Slurm: a server asking for a Slurm-only GPU is refused, naming why."""
+    p = tmp_path / "serve.yaml"
+    p.write_text(yaml.safe_dump({"name": "s", "resources": {"accelerators": "RTX6000-Ada:1", "ports": 8000}, "run": "true"}))
+    with pytest.raises(LaunchConfigError, match="Opening ports is not supported in Slurm"):
+        route(load_spec(p), fleet)
+    p.write_text(yaml.safe_dump({"name": "s", "resources": {"accelerators": "L4:1", "use_spot": True}, "run": "true"}))
+    r = route(load_spec(p), fleet)  # Kubernetes has no spot here; the rented pool has
+    assert (r.pool.name, r.use_spot) == ("ondemand", True) and "Spot instances are not supported in Kubernetes" in r.skipped[0]
 
 
 def test_gpu_no_pool_offers(fleet, tmp_path):
@@ -115,9 +139,9 @@ def test_size_caps_are_decided_by_routing(fleet, tmp_path):
     """Static caps (pool, per user) refuse an explicit target, and make the step route pass a pool over."""
     big = _spec_file(tmp_path, "train", {"num_nodes": 9, "resources": {"accelerators": "H200:8"}})
     with pytest.raises(LaunchConfigError, match="per-user cap of 64"):
-        route(big, fleet)
+        route(big, fleet, step="train")
     huge = _spec_file(tmp_path, "caption", {"resources": {"accelerators": {"RTX6000-Ada": 12, "L4": 4}}})
-    r = route(huge, fleet)  # 12 is over onprem's per-user cap of 8: passed over for 4 L4 on inference
+    r = route(huge, fleet, step="caption")  # 12 is over onprem's per-user cap of 8: passed over for 4 L4 on inference
     assert (r.pool.name, r.accelerators) == ("inference", "L4:4") and "per-user cap of 8" in r.skipped[0]
     with pytest.raises(LaunchConfigError, match="per-user cap of 8"):
         route(huge, fleet, pool="onprem")
@@ -125,12 +149,12 @@ def test_size_caps_are_decided_by_routing(fleet, tmp_path):
 
 def test_live_per_user_cap(fleet):
     usage = Usage(user_gpus={("ada", "onprem"): 8})
-    r = route(load_spec("caption"), fleet, user="ada", usage=usage)
+    r = route(load_spec("caption"), fleet, step="caption", user="ada", usage=usage)
     assert r.pool.name == "inference" and "user 'ada' holds 8 GPUs" in r.skipped[0]
-    assert route(load_spec("caption"), fleet, user="grace", usage=usage).pool.name == "onprem"
+    assert route(load_spec("caption"), fleet, step="caption", user="grace", usage=usage).pool.name == "onprem"
     # Usage comes back from job labels, where a user name is in its label form.
     labelled = Usage(user_gpus={("first.last-corp.example", "onprem"): 8})
-    assert route(load_spec("caption"), fleet, user="first.last@corp.example", usage=labelled).pool.name == "inference"
+    assert route(load_spec("caption"), fleet, step="caption", user="first.last@corp.example", usage=labelled).pool.name == "inference"
 
 
 def test_cpu_only_job_goes_to_the_cpu_route(fleet, tmp_path):

@@ -48,13 +48,15 @@ BASE = {"name": "t", "resources": {"accelerators": "L4:1"}, "run": "echo hi"}
     [
         ({**BASE, "runn": "x"}, "runn", "did you mean 'run'"),
         ({**BASE, "file_mounts": {"/data": "s3://b"}}, "file_mounts", "transit bucket"),
-        ({**BASE, "secrets": {"X": "y"}}, "secrets", "injected"),
-        ({**BASE, "resources": {"accelerators": "L4:1", "infra": "k8s"}}, "resources.infra", "pool"),
+        ({**BASE, "volumes": {"/data": "vol"}}, "volumes", "fleet"),
+        ({**BASE, "service": {"readiness_probe": "/"}}, "service", "demo"),
+        ({**BASE, "workdir": {"url": "https://example.invalid/repo.git"}}, "workdir", "clone"),
         ({**BASE, "envs": {"DATA": "/mnt/data"}}, "envs.DATA", "fleet.yaml"),
         ({**BASE, "envs": {"AWS_SECRET_ACCESS_KEY": "x"}}, "envs.AWS_SECRET_ACCESS_KEY", "secrets"),
-        ({"name": "t", "resources": {"accelerators": "L4:1"}}, "run", "add"),
+        ({**BASE, "envs": {"HF_TOKEN": "x"}}, "envs.HF_TOKEN", "secrets:"),
         ({**BASE, "resources": {"cpus": "lots"}}, "resources.cpus", "cpus: 8+"),
-        ({**BASE, "resources": {"accelerators": "L4:0"}}, "resources.accelerators.L4", "H100:1"),
+        ({**BASE, "resources": {"accelerators": "L4:0"}}, "resources.accelerators", "H100:1"),
+        ({**BASE, "resources": {"accelerators": "L4:0.5"}}, "resources.accelerators", "positive whole number"),
     ],
 )
 def test_bad_spec_names_file_field_and_fix(tmp_path, body, field, fix_word):
@@ -80,9 +82,30 @@ def test_missing_spec_file(tmp_path):
         load_spec("nope", specs_dir=tmp_path)
 
 
+def test_credential_names_match_whole_parts_only(tmp_path):
+    path = _write(tmp_path, {**BASE, "envs": {"MAX_TOKENS": 512, "KEYFRAMES": 8, "TOKENIZER": "bpe"}})
+    assert load_spec(path).envs["MAX_TOKENS"] == "512"
+
+
+def test_every_problem_of_a_file_at_once(tmp_path):
+    path = _write(tmp_path, {**BASE, "file_mounts": {"/d": "s3://b"}, "envs": {"HF_TOKEN": "x", "DATA": "/mnt/d"}, "runn": "x"})
+    with pytest.raises(LaunchConfigError) as err:
+        load_spec(path)
+    assert sorted(p.field for p in err.value.problems) == ["envs.DATA", "envs.HF_TOKEN", "file_mounts", "runn"]
+    assert all(str(path) in str(p) and p.fix for p in err.value.problems)
+
+
+def test_a_pipeline_file_is_refused_as_such(tmp_path):
+    path = tmp_path / "pipe.yaml"
+    path.write_text("name: pipe\n---\nname: a\nrun: 'true'\n---\nname: b\nrun: 'true'\n")
+    with pytest.raises(LaunchConfigError, match="pipelines and job groups are not supported yet") as err:
+        load_spec(path)
+    assert err.value.field == "(documents)"
+
+
 @pytest.mark.parametrize(
     "value, expected",
-    [("H100", {"H100": 1}), ("H200:8", {"H200": 8}), ({"L4": 1, "H100": 2}, {"L4": 1, "H100": 2}), (["L4:1", "A10G"], {"L4": 1, "A10G": 1})],
+    [("H100", {"H100": 1}), ({"H200:8": None, "H100:8": None}, {"H200": 8, "H100": 8}), ("H200:8", {"H200": 8}), ({"L4": 1, "H100": 2}, {"L4": 1, "H100": 2}), (["L4:1", "A10G"], {"L4": 1, "A10G": 1})],
 )
 def test_parse_accelerators(value, expected):
     assert parse_accelerators(value) == expected
