@@ -220,7 +220,7 @@ def test_two_shards_side_by_side_land_on_two_pools_with_env_labels_and_no_secret
 
 
 def test_server_policy_rejects_before_anything_is_submitted(testbed, transit):
-    """Bypassing the client-side rules, the API server's admin policy still refuses the job."""
+    """Bypassing the client-side rules, the API server's admin policy still refuses the job, saying every problem."""
     import sky
 
     from gpudoor_pipelines.launch.backends.base import ResolvedJob
@@ -228,12 +228,14 @@ def test_server_policy_rejects_before_anything_is_submitted(testbed, transit):
     from gpudoor_pipelines.launch.errors import LaunchConfigError
 
     config = {
-        "name": "no-owner",
-        "resources": {"accelerators": "L4:1", "infra": testbed.infra_onprem},
+        "name": "past-the-door",
+        "resources": {"accelerators": "L4:1", "infra": testbed.infra_onprem, "labels": {"gpudoor-cost-owner": "marketing"}},
+        "envs": {"DATA_DIR": "/mnt/data"},
         "run": "echo should-not-run",
     }
     backend = SkyPilotBackend(testbed.api_endpoint)
     before = len(sky.get(sky.jobs.queue_v2(refresh=False, all_users=True, fields=["job_id"]))[0])
-    with pytest.raises(LaunchConfigError, match="no cost owner"):
-        backend.submit(ResolvedJob(name="no-owner", config=config, workdir=str(REPO_ROOT), pool="onprem"))
+    with pytest.raises(LaunchConfigError) as err:
+        backend.submit(ResolvedJob(name="past-the-door", config=config, workdir=str(REPO_ROOT), pool="onprem"))
+    assert "unknown cost owner 'marketing'" in str(err.value) and "field 'envs.DATA_DIR'" in str(err.value)
     assert len(sky.get(sky.jobs.queue_v2(refresh=False, all_users=True, fields=["job_id"]))[0]) == before
