@@ -219,10 +219,15 @@ def task_problems(config: Any, source: str, *, launcher_inputs: bool = False, fr
         problems.append(LaunchConfigError(source, field, problem, fix))
 
     for key in config:
+        if str(key).startswith("_"):
+            continue  # SkyPilot's own bookkeeping (`_metadata`, `_user_specified_yaml`), never a user's
         if key not in SKYPILOT_TASK_FIELDS:
-            close = difflib.get_close_matches(str(key), sorted(SKYPILOT_TASK_FIELDS), n=1)
-            hint = f"did you mean '{close[0]}'?" if close else f"known fields: {sorted(SKYPILOT_TASK_FIELDS - {'_user_specified_yaml'})}"
-            add(str(key), "unknown field in a SkyPilot task", f"remove it; {hint}")
+            if from_file:  # a task the server received was already checked by SkyPilot's schema
+                close = difflib.get_close_matches(str(key), sorted(SKYPILOT_TASK_FIELDS), n=1)
+                hint = f"did you mean '{close[0]}'?" if close else f"known fields: {sorted(SKYPILOT_TASK_FIELDS - {'_user_specified_yaml'})}"
+                add(str(key), "unknown field in a SkyPilot task", f"remove it; {hint}")
+        elif key == "service" and isinstance(config[key], dict) and set(config[key]) == {"pool"}:
+            continue  # a managed-job pool: SkyPilot writes a pool's `pool:` section as `service: {pool: ...}`
         elif key in _FORBIDDEN_TOP and config[key]:
             add(key, "not taken by the door", f"remove it: {_FORBIDDEN_TOP[key]}")
     if isinstance(config.get("workdir"), dict):

@@ -215,3 +215,17 @@ def test_the_choice_among_gpu_alternatives_does_not_depend_on_the_hash_seed(tmp_
                              capture_output=True, text=True, check=True)  # fmt: skip
         seen.add(out.stdout.strip().splitlines()[-1])
     assert seen == {"L4:1"}
+
+
+def test_skypilots_own_bookkeeping_on_the_server_is_not_the_users_problem(sky):
+    """The server adds `_metadata` to a task, and writes a managed-job pool's spec as `service: {pool: ...}`."""
+    from gpudoor_pipelines.launch.fleet import load_fleet
+    from gpudoor_pipelines.launch.policy import mutate_config, task_config
+
+    pool_task = sky.Task.from_yaml_config({**_spec("caption", labels=OWNER), "pool": {"workers": 2}})
+    config = {**task_config(pool_task, "pool"), "_metadata": {"git_commit": "abc"}}
+    assert config["service"] == {"pool": {"workers": 2}}
+    mutated = mutate_config(config, load_fleet(), user="ada")
+    assert mutated["resources"]["labels"]["gpudoor-pool"] in load_fleet().pools
+    served = {**_spec("eval", labels=OWNER), "service": {"readiness_probe": "/", "replicas": 1}}
+    _rejected(sky, served, "SkyServe")
