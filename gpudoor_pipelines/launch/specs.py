@@ -206,8 +206,10 @@ def task_problems(config: Any, source: str, *, launcher_inputs: bool = False, fr
     Args:
         config: the task YAML mapping.
         source: the file (or task) for messages.
-        launcher_inputs: the task came through the door's launcher, which fills input URIs into its
-            env; the rule that a task file holds no path is then checked on the file by the launcher.
+        launcher_inputs: the task came through the door's launcher (or was already passed by the
+            policy): its env holds the input URIs the launcher filled in, and SkyPilot may have added
+            file mounts for the workdir on its way to the workers; the rules on paths and mounts were
+            checked on the file by the launcher.
         from_file: ``config`` is the file as written (not a task the server received, whose secrets
             always carry values: from the file or from ``--secret``, which it cannot tell apart).
     """
@@ -228,7 +230,8 @@ def task_problems(config: Any, source: str, *, launcher_inputs: bool = False, fr
                 add(str(key), "unknown field in a SkyPilot task", f"remove it; {hint}")
         elif key == "service" and isinstance(config[key], dict) and set(config[key]) == {"pool"}:
             continue  # a managed-job pool: SkyPilot writes a pool's `pool:` section as `service: {pool: ...}`
-        elif key in _FORBIDDEN_TOP and config[key]:
+        elif key in _FORBIDDEN_TOP and config[key] and not (launcher_inputs and key in ("file_mounts", "volumes")):
+            # (On its way to a pool's workers, SkyPilot turns the launcher's workdir into file mounts.)
             add(key, "not taken by the door", f"remove it: {_FORBIDDEN_TOP[key]}")
     if isinstance(config.get("workdir"), dict):
         add("workdir", "a git workdir is not synced by the door", "clone the repository in `setup`, or use a local folder as workdir")

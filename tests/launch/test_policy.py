@@ -229,3 +229,14 @@ def test_skypilots_own_bookkeeping_on_the_server_is_not_the_users_problem(sky):
     assert mutated["resources"]["labels"]["gpudoor-pool"] in load_fleet().pools
     served = {**_spec("eval", labels=OWNER), "service": {"readiness_probe": "/", "replicas": 1}}
     _rejected(sky, served, "SkyServe")
+
+
+def test_file_mounts_skypilot_adds_for_the_launchers_workdir_are_not_refused(sky):
+    """A pool's worker launch carries the workdir as file mounts; a task file's own mounts are still refused."""
+    from gpudoor_pipelines.launch.fleet import load_fleet
+    from gpudoor_pipelines.launch.policy import mutate_config
+
+    mounts = {"~/sky_workdir": "/var/lib/api-server/blobs/abc"}
+    launched = {**_spec("caption", labels={**OWNER, "gpudoor-via": "launcher"}), "file_mounts": mounts}
+    assert mutate_config(launched, load_fleet(), user="ada")["file_mounts"] == mounts
+    _rejected(sky, {**_spec("caption", labels=OWNER), "file_mounts": {"/data": "s3://somewhere/data"}}, "transit bucket", at_client_side=False)
