@@ -4,6 +4,10 @@ gpudoor flow                 materialize the whole flow on this machine and prin
 gpudoor where SPEC [...]     explain where a task spec would run and what it would get
 gpudoor check                check every task spec and the fleet file
 gpudoor demo stop [NAME]     stop a demo
+gpudoor launch SPEC [...]    launch a task file as an ad-hoc job through the same door (--json for agents)
+gpudoor status [JOB]         a job's state, or your recent jobs
+gpudoor logs JOB [--follow]  a job's log
+gpudoor cancel JOB           cancel a job and wait until it has ended
 """
 
 from __future__ import annotations
@@ -17,22 +21,40 @@ from gpudoor_pipelines.launch.errors import LaunchConfigError
 
 
 def _cmd_flow(args: argparse.Namespace) -> int:
+    import datetime
+    import logging
+    import warnings
+
+    if not args.verbose:  # one line per step: the library's own chatter goes to the event log or nowhere
+        warnings.simplefilter("ignore")
+        logging.getLogger("alembic").setLevel(logging.WARNING)
+
     import dagster as dg
 
     from gpudoor_pipelines.concurrency import sync_pool_limits
     from gpudoor_pipelines.definitions import defs
-    from gpudoor_pipelines.flow import run_flow
+    from gpudoor_pipelines.flow import FlowFailed, run_flow
+    from gpudoor_pipelines.progress import FlowProgress
 
     home = _dagster_home()
     run_config = {"dataset_shards": {"num_images": args.images}} if args.images else None
+    log_path = home / "logs" / f"flow-{datetime.datetime.now(datetime.UTC):%Y%m%d-%H%M%S}.log"
     with dg.DagsterInstance.get() as instance:
         sync_pool_limits(instance)
-        summary = run_flow(
-            defs,
-            instance,
-            run_config=run_config,
-            on_step=lambda s: print(f"==> materializing {s}", flush=True),
-        )
+        progress = FlowProgress(instance, log_path)
+        if not args.verbose:
+            print(f"Dagster's event log: {log_path}  (--verbose streams it here)", flush=True)
+        try:
+            summary = run_flow(
+                defs, instance, run_config=run_config,
+                watch=progress.watch,
+                console_log_level=None if args.verbose else "CRITICAL",
+            )  # fmt: skip
+        except FlowFailed as e:
+            print(f"\nfailed: {e.label} (run {e.run_id})\n{e.why}\n\nevent log: {log_path}", file=sys.stderr)
+            return 1
+        finally:
+            progress.close()
     print()
     print(f"best checkpoint : {summary.best_checkpoint}")
     print(f"accuracy        : {summary.accuracy:.3f} (held-out)")
@@ -102,6 +124,102 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _answer(args: argparse.Namespace, payload: dict, human: str, code: int = 0) -> int:
+    import json
+
+    print(json.dumps(payload, indent=2, default=str) if args.json else human)
+    return code
+
+
+def _door(args: argparse.Namespace, fn) -> int:
+    """Runs an agent command; a refusal, an unreachable server or an unknown job is an answer, not a traceback."""
+    import json
+
+    from gpudoor_pipelines.agent import DoorError
+
+    try:
+        return fn()
+    except DoorError as e:
+        if args.json:
+            print(json.dumps(e.payload, indent=2))
+        else:
+            p = e.payload
+            where = f"{p['file']}: field '{p['field']}': " if p.get("file") else ""
+            print(f"error: {p['error']}: {where}{p['problem']}" + (f". Fix: {p['fix']}" if p.get("fix") else ""), file=sys.stderr)
+            for extra in (p.get("problems") or [])[1:]:
+                print(f"  also: field '{extra['field']}': {extra['problem']}. Fix: {extra['fix']}", file=sys.stderr)
+        return e.code
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from gpudoor_pipelines import agent
+
+    def run() -> int:
+        env = dict(item.split("=", 1) for item in args.env or [])
+        launched = agent.launch(args.spec, step=args.step, pool=args.pool, infra=args.infra, cost_owner=args.cost_owner, env=env)
+        what = launched["accelerators"] or "CPU-only"
+        code = _answer(args, launched, f"launched job {launched['job_id']} on {launched['pool']} ({launched['infra']}, {what}) "
+                                       f"as {launched['user']}, paid by {launched['cost_owner']}")  # fmt: skip
+        if args.follow:
+            return _follow(args, launched["job_id"])
+        return code
+
+    return _door(args, run)
+
+
+def _follow(args: argparse.Namespace, job_id: str) -> int:
+    import json
+
+    from gpudoor_pipelines import agent
+
+    for line in agent.logs(job_id, follow=True):
+        print(json.dumps({"job_id": job_id, "line": line}) if args.json else line, flush=True)
+    info = agent.status(job_id)
+    if args.json:
+        print(json.dumps(info, default=str))
+    else:
+        print(f"job {job_id} ended {info['state']}" + (f": {info['meaning']}" if info["failed"] else ""))
+    return agent.final_code(info)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from gpudoor_pipelines import agent
+
+    def run() -> int:
+        if args.job:
+            info = agent.status(args.job)
+            human = f"{info['job_id']}  {info['state']}  {info['name']}  {info['infra']}" + (f"  ({info['meaning']})" if info["failed"] else "")
+            return _answer(args, info, human)
+        jobs = agent.recent_jobs(days=args.days)
+        human = "\n".join(f"{j['job_id']}  {j['state']:<12} {j['pool']:<10} {j['name']}" for j in jobs) or "no jobs"
+        return _answer(args, {"jobs": jobs}, human)
+
+    return _door(args, run)
+
+
+def _cmd_logs(args: argparse.Namespace) -> int:
+    from gpudoor_pipelines import agent
+
+    def run() -> int:
+        if args.follow:
+            return _follow(args, args.job)
+        lines = list(agent.logs(args.job, tail=args.tail))
+        return _answer(args, {"job_id": args.job, "lines": lines}, "\n".join(lines))
+
+    return _door(args, run)
+
+
+def _cmd_cancel(args: argparse.Namespace) -> int:
+    from gpudoor_pipelines import agent
+
+    def run() -> int:
+        info = agent.cancel(args.job, wait_s=args.wait)
+        human = f"job {args.job}: {info['state']}" + ("" if info["cancel_confirmed"] else f" (not ended after {args.wait:.0f} s)")
+        return _answer(args, info, human)
+
+    return _door(args, run)
+
+
 def _cmd_demo_stop(args: argparse.Namespace) -> int:
     import dagster as dg
 
@@ -121,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         "flow", help="materialize the whole flow on the configured backend (default: this machine)"
     )
     p.add_argument("--images", type=int, default=None, help="size of the generated dataset (default 96)")
+    p.add_argument("--verbose", action="store_true", help="stream Dagster's event log here instead of one line per step")
     p.set_defaults(func=_cmd_flow)
     p = sub.add_parser("where", help="explain where a task spec would run, and what it would get")
     p.add_argument("spec", help="a task spec: task_specs/eval.yaml or just eval")
@@ -140,6 +259,32 @@ def main(argv: list[str] | None = None) -> int:
     q = demo_sub.add_parser("stop", help="stop a demo")
     q.add_argument("name", nargs="?", default="lab-gpudoor-demo")
     q.set_defaults(func=_cmd_demo_stop)
+    p = sub.add_parser("launch", help="launch a task file as an ad-hoc job through the same route, rules and labels")
+    p.add_argument("spec", help="a task file (any SkyPilot task YAML) or a shipped spec's name")
+    p.add_argument("--step", help="step kind whose route to use (default: route by the GPU the task needs)")
+    p.add_argument("--pool", help="explicit pool override")
+    p.add_argument("--infra", help="explicit SkyPilot infra override")
+    p.add_argument("--cost-owner", help="cost owner label (default: the file's, else the fleet's)")
+    p.add_argument("--env", action="append", metavar="NAME=VALUE", help="value for an env the task declares")
+    p.add_argument("--follow", action="store_true", help="stream the log until the job ends; exit 3 if it fails")
+    p.add_argument("--json", action="store_true", help="JSON answers and errors (for agents)")
+    p.set_defaults(func=_cmd_launch)
+    p = sub.add_parser("status", help="a job's state, or your jobs of the last days")
+    p.add_argument("job", nargs="?", help="a job id (default: list your recent jobs)")
+    p.add_argument("--days", type=float, default=7.0, help="how far back the list goes")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_status)
+    p = sub.add_parser("logs", help="a job's log")
+    p.add_argument("job")
+    p.add_argument("--follow", action="store_true", help="stream from the start until the job ends; exit 3 if it fails")
+    p.add_argument("--tail", type=int, default=100, help="how many last lines (without --follow)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_logs)
+    p = sub.add_parser("cancel", help="cancel a job and wait until it has ended")
+    p.add_argument("job")
+    p.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the job to end")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_cancel)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

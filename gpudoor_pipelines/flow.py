@@ -7,11 +7,13 @@ evaluation per checkpoint → best checkpoint → demo.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
 
 import dagster as dg
+from dagster._core.utils import make_new_run_id
 
 from gpudoor_pipelines.assets.partitions import SHARDS, checkpoint_partitions
 
@@ -30,6 +32,27 @@ class FlowSummary:
     run_ids: list[str]
 
 
+class FlowFailed(RuntimeError):
+    """A step of the flow failed: which step, which run, and why (the job's last lines and the fix)."""
+
+    def __init__(self, label: str, run_id: str, why: str) -> None:
+        self.label, self.run_id, self.why = label, run_id, why
+        super().__init__(f"{label} failed (run {run_id}): {why}")
+
+
+def _why(event: dg.DagsterEvent) -> str:
+    """What a step failure says to a person: the failure's own description, else the innermost error."""
+    data = event.step_failure_data
+    if data is None:
+        return event.message or "the step failed"
+    if data.user_failure_data is not None and data.user_failure_data.description:
+        return data.user_failure_data.description
+    error = data.error
+    while error is not None and error.cause is not None:
+        error = error.cause
+    return (error.message if error is not None else event.message or "the step failed").strip()
+
+
 def _latest_md(instance: dg.DagsterInstance, key: str) -> dict:
     event = instance.get_latest_materialization_event(dg.AssetKey(key))
     if event is None or event.asset_materialization is None:
@@ -43,6 +66,8 @@ def run_flow(
     *,
     run_config: dict | None = None,
     on_step: Callable[[str], None] | None = None,
+    watch: Callable[[str, str], contextlib.AbstractContextManager] | None = None,
+    console_log_level: str | None = None,
 ) -> FlowSummary:
     """Materializes every asset of the flow in dependency order.
 
@@ -51,6 +76,10 @@ def run_flow(
         instance: the Dagster instance to record runs in.
         run_config: extra run config per asset key, e.g. ``{"dataset_shards": {"num_images": 48}}``.
         on_step: called with a short description before each run.
+        watch: ``watch(label, run_id)``, a context manager held while each run executes (the live
+            progress line of ``gpudoor flow``).
+        console_log_level: level of Dagster's console logger (``CRITICAL`` silences it; the event
+            log stays in the instance).
 
     Raises:
         RuntimeError: a run failed; the message names the asset and the run id.
@@ -68,20 +97,24 @@ def run_flow(
         if on_step:
             on_step(label)
         ops = {key: {"config": config[key]}} if key in config else {}
-        result = job.execute_in_process(
-            instance=instance,
-            asset_selection=[dg.AssetKey(key)],
-            partition_key=partition,
-            tags=tags or None,
-            run_config={"ops": ops} if ops else None,
-            raise_on_error=False,
-        )
+        run_config = {"ops": ops} if ops else {}
+        if console_log_level:
+            run_config["loggers"] = {"console": {"config": {"log_level": console_log_level}}}
+        run_id = make_new_run_id()
+        with watch(label, run_id) if watch else contextlib.nullcontext():
+            result = job.execute_in_process(
+                instance=instance,
+                asset_selection=[dg.AssetKey(key)],
+                partition_key=partition,
+                tags=tags or None,
+                run_config=run_config or None,
+                raise_on_error=False,
+                run_id=run_id,
+            )
         run_ids.append(result.run_id)
         if not result.success:
-            failures = [e.message for e in result.all_events if e.is_step_failure]
-            raise RuntimeError(
-                f"{label} failed (run {result.run_id}): {' | '.join(str(f) for f in failures)}"
-            )
+            failures = [_why(e) for e in result.all_events if e.is_step_failure]
+            raise FlowFailed(label, result.run_id, "\n".join(failures) or "the run failed")
 
     materialize("dataset_shards")
     materialize("caption_shards", partitions=list(instance.get_dynamic_partitions(SHARDS)))

@@ -11,6 +11,7 @@ machine: the local backend and a transit bucket in a local folder.
 | ``SKYPILOT_SERVICE_ACCOUNT_TOKEN`` | a SkyPilot service-account token, if the server needs one |
 | ``GPUDOOR_COST_OWNER`` | cost owner label for every job (default: the fleet's default) |
 | ``GPUDOOR_HOME`` | state folder of the embedded default (default ``~/.gpudoor``) |
+| ``GPUDOOR_USER`` | who launches, for labels and per-user caps (an agent's or service's name; default: the service account, else the OS user) |
 | ``GPUDOOR_TRANSIT`` and ``GPUDOOR_S3_*`` | the transit bucket (see ``gpudoor_pipelines.transit.resource``) |
 """
 
@@ -41,6 +42,7 @@ def build_resources() -> dict[str, Any]:
         ("service_account_token", "SKYPILOT_SERVICE_ACCOUNT_TOKEN"),
         ("cost_owner", "GPUDOOR_COST_OWNER"),
         ("local_home", "GPUDOOR_HOME"),
+        ("user", "GPUDOOR_USER"),
     ):
         value = _env(var)
         if value is not None:

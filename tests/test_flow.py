@@ -31,22 +31,56 @@ def _md(instance, key, partition=None):
     return {k: v.value for k, v in event.metadata.items()}
 
 
-def _run_and_check(instance):
+def _run_and_check(instance, **flow_options):
     from gpudoor_pipelines.definitions import build_defs
 
     defs = build_defs()
     # A shorter training than the default (2 checkpoints) keeps the suite quick on 2 cores.
     run_config = {"dataset_shards": {"num_images": 64, "shard_size": 16}, "training_run": {"env": {"MAX_STEPS": "30", "CHECKPOINT_EVERY": "15"}}}
-    summary = run_flow(defs, instance, run_config=run_config)
+    summary = run_flow(defs, instance, run_config=run_config, **flow_options)
     with dg.build_resources({"transit": defs.resources["transit"], "skypilot": defs.resources["skypilot"]}) as res:
         bucket = res.transit.get_bucket()
         _check_flow(instance, summary, bucket, res.skypilot)
     return summary, bucket
 
 
-def test_whole_flow_on_the_embedded_default(instance):
-    _, bucket = _run_and_check(instance)
+def test_whole_flow_on_the_embedded_default(instance, tmp_path, capfd):
+    """`gpudoor flow`'s view of it: one line per step with its pool, job and state; the event log in a file."""
+    import io
+
+    from gpudoor_pipelines.progress import FlowProgress
+
+    out = io.StringIO()
+    progress = FlowProgress(instance, tmp_path / "flow.log", out=out, poll_s=0.2)
+    try:
+        _, bucket = _run_and_check(instance, watch=progress.watch, console_log_level="CRITICAL")
+    finally:
+        progress.close()
     assert bucket.root_uri.startswith("file://")
+    lines = out.getvalue().splitlines()
+    finals = {}
+    for line in lines:
+        step = line.split("]", 1)[1].split()[0]
+        finals[step.split("[")[0]] = line
+    assert set(finals) == {"dataset_shards", "caption_shards", "captioned_dataset", "training_run", "checkpoint_evals",
+                           "best_checkpoint", "demo", "gpu_usage"}  # fmt: skip
+    assert all(line.endswith("done") for line in finals.values()), finals
+    assert "pool h200" in finals["training_run"] and " job " in finals["training_run"]
+    assert any("caption_shards[" in line and " job " in line for line in lines)
+    log = (tmp_path / "flow.log").read_text()
+    assert "STEP_SUCCESS" in log and "Submitted job" in log
+    # Dagster's console stream is off: what it would have printed is in the file, not on the terminal.
+    assert "STEP_SUCCESS" not in capfd.readouterr().err
+
+
+def test_a_failed_step_says_what_failed_and_the_fix_without_a_traceback(instance, tmp_path):
+    from gpudoor_pipelines.definitions import build_defs
+    from gpudoor_pipelines.flow import FlowFailed
+
+    with pytest.raises(FlowFailed) as err:
+        run_flow(build_defs(), instance, run_config={"dataset_shards": {"source": str(tmp_path / "no-such-folder")}}, console_log_level="CRITICAL")
+    assert err.value.label == "dataset_shards" and "no-such-folder" in err.value.why
+    assert "Fix" in err.value.why and "Traceback" not in err.value.why
 
 
 @pytest.mark.s3

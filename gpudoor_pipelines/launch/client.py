@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import getpass
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -288,6 +289,23 @@ def _nothing_launched() -> Iterator[None]:
         ) from None
 
 
+@functools.lru_cache(maxsize=8)
+def _service_account_name(endpoint: str | None, token: str) -> str | None:
+    """The name the API server gives the token's service account (its ``/api/health`` answer), if any."""
+    import json
+    import urllib.request
+
+    if not endpoint:
+        return None
+    request = urllib.request.Request(f"{endpoint.rstrip('/')}/api/health", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            user = (json.loads(response.read() or b"{}") or {}).get("user") or {}
+    except (OSError, ValueError):
+        return None
+    return str(user.get("name") or "") or None
+
+
 class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
     """Launches task specs as SkyPilot managed jobs (or local processes on the embedded default).
 
@@ -304,7 +322,8 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
         local_home: state folder of the local backend (default ``$GPUDOOR_HOME`` or ``~/.gpudoor``).
         cost_owner: who pays for jobs whose task file names no cost owner (default: the fleet's
             default); a ``gpudoor/cost-owner`` run tag wins over both.
-        user: who launches (for per-user caps and labels; default: the OS user).
+        user: who launches (for per-user caps and labels; ``GPUDOOR_USER``; default: the service
+            account of ``service_account_token``, else the OS user).
         poll_interval_s: seconds between status polls.
         cancel_timeout_s: how long to wait for a cancelled job to reach CANCELLED.
         forward_termination: cancel the job when the Dagster run is terminated.
@@ -357,9 +376,14 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
         return load_spec(name, self.specs_dir, skypilot=self.validate_with_skypilot, strict=False)
 
     def launching_user(self) -> str:
-        """Who launches: ``user``, else the OS user."""
+        """Who launches: ``user`` (``GPUDOOR_USER``), else the service account the API server knows the
+        token as, else the OS user. The API server's policy names the user itself in any case."""
         if self.user:
             return self.user
+        if self.backend == "skypilot" and self.service_account_token:
+            name = _service_account_name(self.api_server_endpoint, self.service_account_token)
+            if name:
+                return name
         try:
             return getpass.getuser()
         except (KeyError, OSError):
