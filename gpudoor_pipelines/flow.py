@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import logging
 from collections.abc import Callable
 
@@ -16,6 +17,7 @@ import dagster as dg
 from dagster._core.utils import make_new_run_id
 
 from gpudoor_pipelines.assets.partitions import SHARDS, checkpoint_partitions
+from gpudoor_pipelines.assets.usage import week_of
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +135,7 @@ def run_flow(
         materialize("checkpoint_evals", partitions=checkpoints)
     materialize("best_checkpoint")
     materialize("demo")
-    materialize("gpu_usage")
+    materialize("gpu_usage", week_of(datetime.datetime.now(datetime.UTC)))  # the week under way, up to now
     best = _latest_md(instance, "best_checkpoint")
     demo = _latest_md(instance, "demo")
     return FlowSummary(

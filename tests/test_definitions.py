@@ -25,7 +25,11 @@ def test_definitions_snapshot():
         "merge_captions_job",
         "stop_demo_job",
     ]
-    assert sorted(s.name for s in repo.schedule_defs) == ["morning_merge_schedule", "nightly_captioning_schedule"]
+    assert sorted(s.name for s in repo.schedule_defs) == [
+        "morning_merge_schedule",
+        "nightly_captioning_schedule",
+        "weekly_gpu_usage_schedule",
+    ]
     assert sorted(s.name for s in repo.sensor_defs) == ["new_checkpoint_sensor"]
     assert sorted(defs.resources) == ["io_manager", "skypilot", "transit"]
     checks = {c.name for c in defs.resolve_asset_graph().asset_check_keys}

@@ -1,7 +1,8 @@
-"""The nightly captioning window and the morning merge, both from the fleet's ``night_window``.
+"""The nightly captioning window and the morning merge, both from the fleet's ``night_window``; the weekly GPU usage.
 
 Inference GPUs are idle off-peak: captioning starts when the window opens, stops starting new work
-when it closes, and the morning merge then merges whatever is done.
+when it closes, and the morning merge then merges whatever is done. Every Monday, the GPU usage of
+the week that just ended is refreshed.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import dagster as dg
 
 from gpudoor_pipelines.assets.captioning import MAX_SHARDS_PER_RUN, default_caption_model
 from gpudoor_pipelines.assets.partitions import SHARDS
+from gpudoor_pipelines.assets.usage import gpu_usage, last_finished_week
 from gpudoor_pipelines.automation.jobs import captioning_job, merge_captions_job
 from gpudoor_pipelines.captions import done_shards
 from gpudoor_pipelines.launch.fleet import NightWindow
@@ -81,3 +83,15 @@ def build_schedules(window: NightWindow) -> list[dg.ScheduleDefinition]:
         return dg.RunRequest(run_key=context.scheduled_execution_time.strftime("%Y-%m-%d"))
 
     return [nightly_captioning_schedule, morning_merge_schedule]
+
+
+@dg.schedule(
+    name="weekly_gpu_usage_schedule",
+    target=dg.AssetSelection.assets(gpu_usage),
+    cron_schedule="0 6 * * 1",
+    execution_timezone="UTC",
+)
+def weekly_gpu_usage_schedule(context: dg.ScheduleEvaluationContext):
+    """Monday morning: the GPU usage of the week that just ended, once it is complete."""
+    week = last_finished_week(context.scheduled_execution_time)
+    return dg.RunRequest(run_key=week, partition_key=week)

@@ -19,6 +19,7 @@ from typing import Any
 class Status(enum.Enum):
     PENDING = "PENDING"
     RUNNING = "RUNNING"
+    RECOVERING = "RECOVERING"
     SUCCEEDED = "SUCCEEDED"
     CANCELLED = "CANCELLED"
     FAILED = "FAILED"
@@ -44,6 +45,9 @@ class Record:
     end_at: float | None = None
     failure_reason: str | None = None
     details: str | None = None
+    job_duration: float | None = None
+    task_id: int = 0
+    user_yaml: str | None = None
 
 
 class FakeSky:
@@ -67,10 +71,13 @@ class FakeSky:
         self.polls: dict[int, int] = {}
         self.launched: list[Any] = []
         self.cancelled: list[int] = []
+        self.queue_requests: list[dict] = []  # the arguments of every jobs.queue_v2 request
         self.interrupt_after: int | None = None
         self.interrupt: BaseException | None = None
         self._lock = threading.Lock()
         self.pools: list[dict] = []  # records as sky.jobs.pool_status returns them
+        self.clusters: list[dict] = []  # records as sky.cost_report returns them (clusters, torn down or up)
+        self.cost_report = lambda days=None: list(self.clusters)
         self.jobs = types.SimpleNamespace(launch=self._launch, queue_v2=self._queue_v2, tail_logs=self._tail_logs, cancel=self._cancel,
                                           pool_status=lambda names: [p for p in self.pools if names is None or p["name"] in names])  # fmt: skip
         self.server = types.SimpleNamespace(common=types.SimpleNamespace(get_server_url=lambda: endpoint))
@@ -94,13 +101,21 @@ class FakeSky:
             self.polls[job_id] = 0
         return [job_id], None
 
-    def _queue_v2(self, refresh=False, skip_finished=False, all_users=True, job_ids=None, fields=None):
+    def _queue_v2(self, refresh=False, skip_finished=False, all_users=True, job_ids=None, limit=None, fields=None,
+                  submitted_before=None, **filters):  # fmt: skip
         with self._lock:
+            self.queue_requests.append({"refresh": refresh, "skip_finished": skip_finished, "all_users": all_users,
+                                        "job_ids": job_ids, "limit": limit, "fields": fields,
+                                        "submitted_before": submitted_before, **filters})  # fmt: skip
             rows = [r for r in self.records.values() if job_ids is None or r.job_id in job_ids]
+            if submitted_before is not None:
+                rows = [r for r in rows if r.submitted_at is None or r.submitted_at <= submitted_before]
+            if limit is not None:  # the server returns the first page only
+                rows = rows[:limit]
             for r in rows if job_ids else ():
                 self._advance(r)
             if skip_finished:
-                rows = [r for r in rows if r.status in (Status.PENDING, Status.RUNNING)]
+                rows = [r for r in rows if r.status in (Status.PENDING, Status.RUNNING, Status.RECOVERING)]
         return rows, len(rows), {}, len(rows)
 
     def _advance(self, r: Record) -> None:

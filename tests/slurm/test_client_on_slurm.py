@@ -178,6 +178,7 @@ def test_two_shards_side_by_side_land_on_two_pools_with_env_labels_and_no_secret
     run = "echo pool=$GPUDOOR_POOL cache=$LOCAL_CACHE_DIR; echo secret=$AWS_SECRET_ACCESS_KEY; sleep 25"
     specs = _spec_dir(tmp_path, run)
     results: dict[str, object] = {}
+    started = time.time()
 
     def materialize(key: str, instance) -> None:
         results[key] = dg.materialize([_probe_asset(key)], resources={"skypilot": _resource(testbed, transit, specs)},
@@ -217,6 +218,13 @@ def test_two_shards_side_by_side_land_on_two_pools_with_env_labels_and_no_secret
     labels = queued[0].labels
     assert labels["gpudoor-cost-owner"] == "ml-research" and labels["dagster-asset"] == "shard_a"
     assert labels["dagster-run-id"] == a.run_id and labels["gpudoor-pool"] == "onprem"
+    # The weekly usage reads both jobs back from the server's queue (and its cluster history), by label.
+    ids = {str(md_a["job_id"].value), str(md_b["job_id"].value)}
+    history = _resource(testbed, transit).get_backend().job_history(started, time.time())
+    mine = {j.job_id: j for j in history if j.job_id in ids}
+    assert {j.pool for j in mine.values()} == {"onprem", "inference"}, history
+    assert all(j.gpus >= 1 and j.state.value == "SUCCEEDED" and j.cost_owner == "ml-research" for j in mine.values())
+    assert all(j.ended_at and j.ran_s and 0 < j.ran_s <= j.ended_at - j.started_at + 1 for j in mine.values())
 
 
 def test_server_policy_rejects_before_anything_is_submitted(testbed, transit):

@@ -118,6 +118,57 @@ class JobInfo:
     detail: str = ""
 
 
+@dataclasses.dataclass(frozen=True)
+class JobUsage:
+    """One job's hold on GPUs, as the weekly usage figures count it.
+
+    Times are UNIX seconds. A job holds its GPUs from ``started_at`` (when it started running) to
+    ``ended_at`` (None while it runs).
+
+    Attributes:
+        job_id: the backend's job id.
+        name: the job's name.
+        pool: the fleet pool it ran on (its ``gpudoor-pool`` label).
+        user: who launched it (``gpudoor-user``).
+        cost_owner: who pays (``gpudoor-cost-owner``; ``unknown`` when the job carries none).
+        step: the step kind (``gpudoor-step``; empty for a job launched without one).
+        gpus: GPUs over all its nodes.
+        started_at: when it started running (None if it never did).
+        ended_at: when it ended (None while it runs).
+        state: its state.
+        recoveries: how many times it was preempted and recovered.
+        ran_s: seconds it actually ran between its start and its end (or now), without the time spent
+            recovering after preemptions; None where the backend cannot tell.
+    """
+
+    job_id: str
+    name: str
+    pool: str
+    user: str
+    cost_owner: str
+    step: str
+    gpus: float
+    started_at: float | None
+    ended_at: float | None
+    state: JobState
+    recoveries: int = 0
+    ran_s: float | None = None
+
+    def held_s(self, since: float, until: float) -> float:
+        """Seconds the job held its GPUs between ``since`` and ``until`` (a running job holds them up to ``until``)."""
+        if self.started_at is None:
+            return 0.0
+        end = until if self.ended_at is None else min(self.ended_at, until)
+        return max(0.0, end - max(self.started_at, since))
+
+    def running_share(self, now: float) -> float | None:
+        """The share of its life (start to end, or ``now``) the job spent running; None where unknown."""
+        if self.ran_s is None or self.started_at is None:
+            return None
+        life = (self.ended_at if self.ended_at is not None else now) - self.started_at
+        return 1.0 if life <= 0 else max(0.0, min(1.0, self.ran_s / life))
+
+
 class LogFollower(abc.ABC):
     """Incremental reader of a job's log; lines come out once each, in order."""
 
@@ -219,6 +270,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def stop_service(self, cluster_name: str) -> bool:
         """Tears a service's cluster down; True if one was running."""
+
+    def job_history(self, since: float, until: float) -> list[JobUsage]:
+        """Every job of the team's pools that held GPUs at some point between ``since`` and ``until`` (UNIX
+        seconds), whoever launched it and however (Dagster runs, demos, ad-hoc launches)."""
+        raise NotImplementedError(f"the {self.name} backend keeps no job history")
 
     def check(self) -> None:  # noqa: B027 - optional hook
         """Raises a clear error when the backend cannot be reached (before anything is submitted)."""

@@ -26,12 +26,14 @@ from gpudoor_pipelines.launch.backends.base import (
     Backend,
     JobInfo,
     JobState,
+    JobUsage,
     LogFollower,
     ResolvedJob,
     Service,
 )
+from gpudoor_pipelines.launch.errors import LaunchConfigError
 from gpudoor_pipelines.launch.routing import Usage
-from gpudoor_pipelines.launch.rules import LABEL_USER
+from gpudoor_pipelines.launch.rules import LABEL_COST_OWNER, LABEL_POOL, LABEL_STEP, LABEL_USER
 from gpudoor_pipelines.launch.specs import parse_accelerators, parse_cpus
 
 LOG_FILE = "run.log"
@@ -420,6 +422,33 @@ class LocalBackend(Backend):
                 workers * int(spec.get("cpus_per_worker", 0)),
             )
 
+    def job_history(self, since: float, until: float) -> list[JobUsage]:
+        """Every local job that held GPUs between ``since`` and ``until``, read from the job folders: Dagster
+        steps, demos and ad-hoc launches alike. Local jobs are never preempted: they ran all the time they held."""
+        out = []
+        for job_dir in sorted(self.jobs_root.iterdir()) if self.jobs_root.is_dir() else ():
+            state, task = read_state(job_dir), _read_json(job_dir / TASK_FILE)
+            started, ended = state.get("started_at"), state.get("ended_at")
+            if not task or started is None or started >= until or (ended is not None and ended <= since):
+                continue
+            info = self.status(job_dir.name)  # a runner that died without a verdict gets its end here
+            config = task.get("config") or {}
+            resources = config.get("resources") or {}
+            labels = {str(k): str(v) for k, v in (resources.get("labels") or {}).items()}
+            nodes = int(config.get("num_nodes") or 1)
+            now = time.time()
+            out.append(
+                JobUsage(
+                    job_id=job_dir.name, name=info.name or task.get("name", ""),
+                    pool=labels.get(LABEL_POOL) or task.get("pool", "unknown"),
+                    user=labels.get(LABEL_USER, "unknown"), cost_owner=labels.get(LABEL_COST_OWNER) or "unknown",
+                    step=labels.get(LABEL_STEP, ""), gpus=_gpus_per_node(resources.get("accelerators")) * nodes,
+                    started_at=info.started_at, ended_at=info.ended_at, state=info.state, recoveries=info.recoveries,
+                    ran_s=((info.ended_at or now) - info.started_at) if info.started_at is not None else None,
+                )
+            )  # fmt: skip
+        return out
+
     def start_service(self, job: ResolvedJob) -> Service:
         """Starts a service; any earlier service on the same cluster name is stopped first."""
         cluster = job.cluster_name or job.name
@@ -478,6 +507,14 @@ class _LocalService(Service):
             if s.connect_ex(("127.0.0.1", local_port)) != 0:
                 return None
         return f"http://127.0.0.1:{local_port}"
+
+
+def _gpus_per_node(accelerators: object) -> int:
+    """GPUs a node of the job gets: several types listed are alternatives, so the job got one of them."""
+    try:
+        return max(parse_accelerators(accelerators).values(), default=0)
+    except LaunchConfigError:
+        return 0
 
 
 def _kill_group(pgid: int, sig: signal.Signals) -> None:

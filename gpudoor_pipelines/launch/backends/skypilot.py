@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import math
 import queue
 import re
 import threading
@@ -22,19 +23,24 @@ from gpudoor_pipelines.launch.backends.base import (
     Backend,
     JobInfo,
     JobState,
+    JobUsage,
     LogFollower,
     ResolvedJob,
     Service,
 )
 from gpudoor_pipelines.launch.errors import LaunchConfigError
 from gpudoor_pipelines.launch.routing import Route, Usage
-from gpudoor_pipelines.launch.rules import LABEL_POOL, LABEL_USER
+from gpudoor_pipelines.launch.rules import LABEL_COST_OWNER, LABEL_POOL, LABEL_STEP, LABEL_USER
 
 _QUEUE_FIELDS = [
     "job_id", "job_name", "status", "infra", "cloud", "region", "zone", "recovery_count", "submitted_at", "start_at",
     "end_at", "job_duration", "failure_reason", "details", "labels", "accelerators", "resources",
 ]  # fmt: skip
+# The history also reads the task each job was launched with: once a job's cluster is gone, the queue
+# no longer shows its labels nor its GPUs.
+_HISTORY_FIELDS = [*_QUEUE_FIELDS, "task_id", "user_yaml"]
 _NODES = re.compile(r"^(\d+)x")
+_GPUS = re.compile(r"[\[,]\s*([A-Za-z][\w-]*):(\d+(?:\.\d+)?)")  # "2x[H200:8]": H200, 8 (not "CPU:8+")
 _CPUS = re.compile(r"CPU:(\d+)")  # queue_v2 shows a CPU-only job as e.g. "1x[CPU:8+]"
 
 
@@ -357,6 +363,81 @@ class SkyPilotBackend(Backend):
         held.extend(self._pool_workers_held())
         return Usage.tally(held)
 
+    def job_history(self, since: float, until: float) -> list[JobUsage]:
+        """Every managed job with a ``gpudoor-pool`` label that ran between ``since`` and ``until``, whoever
+        launched it, from one ``sky.jobs.queue_v2`` request over all users.
+
+        The SDK's ``queue_v2`` has no page argument: without ``limit`` the server answers with every job,
+        so a busy week is not cut short; jobs submitted after ``until`` are left out by the server. Labels
+        and GPUs come from the job's cluster while it is up, else from the task it was launched with.
+        ``ran_s`` is SkyPilot's ``job_duration``: the time the job ran, without the time it spent
+        recovering after preemptions. Demos and dev clusters (``lab-…``, ``dev-…``, launched with
+        ``sky.launch``) are clusters, not managed jobs: they come from SkyPilot's cluster history
+        (``sky.cost_report``), one entry per time the cluster was up.
+        """
+        sky = _sky()
+        records, *_ = sky.get(
+            sky.jobs.queue_v2(refresh=False, skip_finished=False, all_users=True, submitted_before=until,
+                              fields=_HISTORY_FIELDS)
+        )  # fmt: skip
+        out = []
+        for r in records:
+            started, ended = r.start_at or None, r.end_at or None
+            if started is None or started >= until or (ended is not None and ended <= since):
+                continue
+            # The launched task is parsed only when the queue no longer shows the job's cluster.
+            task = _launched_task(r.user_yaml, r.task_id) if not (r.labels and r.accelerators) else {}
+            resources = task.get("resources") if isinstance(task.get("resources"), dict) else {}
+            labels = dict(r.labels or resources.get("labels") or {})
+            if not labels.get(LABEL_POOL):
+                continue
+            m = _NODES.match(r.resources or "")
+            nodes = int(m.group(1)) if m else int(task.get("num_nodes") or 1)
+            out.append(
+                JobUsage(
+                    job_id=str(r.job_id), name=r.job_name or "", pool=str(labels[LABEL_POOL]),
+                    user=str(labels.get(LABEL_USER, "unknown")), cost_owner=str(labels.get(LABEL_COST_OWNER) or "unknown"),
+                    step=str(labels.get(LABEL_STEP, "")), gpus=_record_gpus(r, resources) * nodes,
+                    started_at=started, ended_at=ended, state=_state(r.status), recoveries=int(r.recovery_count or 0),
+                    ran_s=float(r.job_duration) if r.job_duration is not None else None,
+                )
+            )  # fmt: skip
+        return out + self._interactive_clusters(since, until)
+
+    def _interactive_clusters(self, since: float, until: float) -> list[JobUsage]:
+        """The ``lab-…``/``dev-…`` clusters with a ``gpudoor-pool`` label that were up between ``since`` and
+        ``until``, from one ``sky.cost_report`` request (its history keeps torn-down clusters and their
+        launched resources, labels included). A cluster is never preempted and recovered: it ran all the
+        time it was up."""
+        sky = _sky()
+        from gpudoor_pipelines.launch.policy import INTERACTIVE_PREFIXES
+
+        now = time.time()
+        records = sky.get(sky.cost_report(days=max(1, math.ceil((now - since) / 86400.0) + 1)))
+        out = []
+        for rec in records or ():
+            name = str(rec.get("name") or "")
+            resources = rec.get("resources")
+            labels = {str(k): str(v) for k, v in (getattr(resources, "labels", None) or {}).items()}
+            if not name.startswith(INTERACTIVE_PREFIXES) or not labels.get(LABEL_POOL):
+                continue
+            gpus = max((float(v) for v in (getattr(resources, "accelerators", None) or {}).values()), default=0.0)
+            nodes = int(rec.get("num_nodes") or 1)
+            for start, end in rec.get("usage_intervals") or ():
+                if start is None or start >= until or (end is not None and end <= since):
+                    continue
+                out.append(
+                    JobUsage(
+                        job_id=f"{name}@{int(start)}", name=name, pool=labels[LABEL_POOL],
+                        user=labels.get(LABEL_USER, "unknown"), cost_owner=labels.get(LABEL_COST_OWNER) or "unknown",
+                        step=labels.get(LABEL_STEP, ""), gpus=gpus * nodes, started_at=float(start),
+                        ended_at=None if end is None else float(end),
+                        state=JobState.RUNNING if end is None else JobState.SUCCEEDED,
+                        ran_s=(now if end is None else float(end)) - float(start),
+                    )
+                )  # fmt: skip
+        return out
+
     def _pool_workers_held(self) -> list[tuple[str, str, int, int]]:
         """(pool label, user label, GPUs, vCPUs) of every warm pool's workers, from its task's labels."""
         import yaml
@@ -468,6 +549,39 @@ def _refusals(job: ResolvedJob):
     except (exceptions.ResourcesUnavailableError, ValueError) as e:
         raise LaunchConfigError(job.name, "resources", f"SkyPilot cannot place the job: {e}",
                                 "check the pool's infra and GPUs in task_specs/fleet.yaml") from None  # fmt: skip
+
+
+def _launched_task(user_yaml: str | None, task_id: int | None) -> dict:
+    """The task a job was launched with, from the queue's ``user_yaml`` (a name document, then one per task)."""
+    import yaml
+
+    try:
+        # libyaml's loader where PyYAML has it: a busy week's history parses thousands of these.
+        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+        docs = [d for d in yaml.load_all(user_yaml or "", Loader=loader) if isinstance(d, dict)]
+    except yaml.YAMLError:
+        return {}
+    tasks = docs[1:] if len(docs) > 1 else docs
+    index = int(task_id or 0)
+    return tasks[index] if 0 <= index < len(tasks) else (tasks[0] if tasks else {})
+
+
+def _record_gpus(r: Any, resources: dict) -> float:
+    """GPUs per node of a queue record: the cluster's, else the task's, else the queue's resources string.
+
+    Several types listed are alternatives: the job got one of them.
+    """
+    from gpudoor_pipelines.launch.specs import parse_accelerators
+
+    counts: dict[str, float] = {k: float(v) for k, v in (r.accelerators or {}).items()}
+    if not counts:
+        try:
+            counts = {k: float(v) for k, v in parse_accelerators(resources.get("accelerators")).items()}
+        except LaunchConfigError:
+            counts = {}
+    if not counts:
+        counts = {name: float(n) for name, n in _GPUS.findall(r.resources or "") if name.upper() != "CPU"}
+    return max(counts.values(), default=0.0)
 
 
 def _info(r: Any) -> JobInfo:
