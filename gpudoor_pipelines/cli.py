@@ -3,6 +3,7 @@
 gpudoor flow                 materialize the whole flow on this machine and print the result
 gpudoor where SPEC [...]     explain where a task spec would run and what it would get
 gpudoor check                check every task spec and the fleet file
+gpudoor rules [--check]      write docs/rules.md, the fleet's rules as one page (--check: fail if stale)
 gpudoor demo stop [NAME]     stop a demo
 gpudoor launch SPEC [...]    launch a task file as an ad-hoc job through the same door (--json for agents)
 gpudoor status [JOB]         a job's state, or your recent jobs
@@ -121,6 +122,23 @@ def _cmd_check(args: argparse.Namespace) -> int:
             continue
         r = route(load_spec(path, skypilot=True), fleet, step=path.stem)
         print(f"ok  {path.name:12s} → {r.pool.name} ({r.infra}, {r.describe()})")
+    return 0
+
+
+def _cmd_rules(args: argparse.Namespace) -> int:
+    from gpudoor_pipelines.rules_page import DEFAULT_RULES_PAGE, render_file
+
+    out = Path(args.out) if args.out else DEFAULT_RULES_PAGE
+    page = render_file(args.fleet)
+    if args.check:
+        if not out.is_file() or out.read_text() != page:
+            command = " ".join(["gpudoor rules", *(["--fleet", args.fleet] if args.fleet else []), *(["--out", args.out] if args.out else [])])
+            print(f"{args.out or 'docs/rules.md'} is stale: run `{command}` and commit it", file=sys.stderr)
+            return 1
+        return 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(page)
+    print(f"wrote {out}")
     return 0
 
 
@@ -254,6 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("check", help="check every task spec and the fleet file")
     p.add_argument("--specs-dir", default=None)
     p.set_defaults(func=_cmd_check)
+    p = sub.add_parser("rules", help="write docs/rules.md: the fleet's pools, routes and rules as one page")
+    p.add_argument("--fleet", default=None, help="the fleet file (default task_specs/fleet.yaml)")
+    p.add_argument("--out", default=None, help="where to write the page (default docs/rules.md)")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if the page differs from a fresh one")
+    p.set_defaults(func=_cmd_rules)
     p = sub.add_parser("demo", help="manage demos")
     demo_sub = p.add_subparsers(dest="demo_command", required=True)
     q = demo_sub.add_parser("stop", help="stop a demo")
