@@ -18,6 +18,7 @@ from gpudoor_pipelines.datasets import (
     shard_key,
     write_synthetic,
 )
+from gpudoor_pipelines.k8s import cpu_step_tags
 from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
 from gpudoor_pipelines.launch.specs import load_spec
 from gpudoor_pipelines.transit.io_manager import TransitRef
@@ -51,7 +52,12 @@ class DatasetConfig(dg.Config):
     )
 
 
-@dg.asset(group_name="captioning", kinds={"python", "s3"})
+@dg.asset(
+    group_name="captioning",
+    kinds={"python", "s3"},
+    # Lists every image of the source and keeps the dataset's index in memory: grows with the image count.
+    op_tags=cpu_step_tags("1", "4Gi"),
+)
 def dataset_shards(
     context: dg.AssetExecutionContext, config: DatasetConfig, transit: TransitBucketResource
 ) -> dg.MaterializeResult[TransitRef]:
@@ -200,6 +206,8 @@ ALL_SHARDS_CHECK = "all_shards_captioned"
     group_name="captioning",
     kinds={"pandas", "parquet"},
     deps=[caption_shards],
+    # The merge streams Parquet parts through a local file: memory stays small whatever the caption count.
+    op_tags=cpu_step_tags("1", "2Gi"),
     check_specs=[
         dg.AssetCheckSpec(
             ALL_SHARDS_CHECK,
