@@ -1,0 +1,103 @@
+"""The door for coding agents: launch → status → logs → cancel, JSON in and out, one exit code per outcome.
+
+Jobs run on the embedded default (the local backend: real processes, real logs, real cancel). The
+SkyPilot path of the same commands goes through the same backend interface, which the Slurm test bed
+exercises for the assets.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+import yaml
+
+from gpudoor_pipelines.cli import main
+
+
+def _run(capsys, *argv: str) -> tuple[int, dict]:
+    code = main(list(argv))
+    out = capsys.readouterr().out
+    return code, json.loads(out)  # with --json, stdout is one JSON object and nothing else
+
+
+def _task(tmp_path, name: str, run: str, **resources) -> str:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"name": name, "resources": resources or {"cpus": 2}, "run": run}))
+    return str(path)
+
+
+def test_an_agent_launches_follows_and_cancels_a_job(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("GPUDOOR_USER", "agent-7")
+    spec = _task(tmp_path, "probe", "echo hello-from-the-job; sleep 60")
+    code, launched = _run(capsys, "launch", spec, "--json")
+    assert code == 0
+    job = launched["job_id"]
+    assert launched["pool"] == "inference" and launched["accelerators"] is None  # CPU-only: the fleet's cpu_route
+    assert launched["user"] == "agent-7" and launched["labels"]["gpudoor-user"] == "agent-7"
+    assert launched["cost_owner"] == "ml-research"
+
+    code, state = _run(capsys, "status", job, "--json")
+    assert code == 0 and state["job_id"] == job and state["state"] in ("PENDING", "STARTING", "RUNNING")
+
+    deadline = time.monotonic() + 30
+    lines: list[str] = []
+    while time.monotonic() < deadline and not any("hello-from-the-job" in line for line in lines):
+        code, shown = _run(capsys, "logs", job, "--json")
+        assert code == 0
+        lines = shown["lines"]
+        time.sleep(0.3)
+    assert any("hello-from-the-job" in line for line in lines)
+
+    code, cancelled = _run(capsys, "cancel", job, "--json")
+    assert code == 0 and cancelled["state"] == "CANCELLED" and cancelled["cancel_confirmed"] is True
+    code, listed = _run(capsys, "status", "--json")
+    assert code == 0 and [j["state"] for j in listed["jobs"] if j["job_id"] == job] == ["CANCELLED"]
+
+
+def test_a_followed_job_that_fails_exits_3_with_its_last_lines(tmp_path, capsys):
+    spec = _task(tmp_path, "broken", "echo about-to-fail; exit 7")
+    code, launched = _run(capsys, "launch", spec, "--json")
+    assert code == 0
+    assert main(["logs", launched["job_id"], "--follow"]) == 3
+    out = capsys.readouterr().out
+    assert "about-to-fail" in out and "FAILED" in out
+
+
+def test_a_refused_file_is_json_with_every_problem_and_exit_2(tmp_path, capsys):
+    spec = _task(tmp_path, "bad", "echo hi", accelerators="A100:1")
+    path = tmp_path / "bad.yaml"
+    config = yaml.safe_load(path.read_text())
+    config["envs"] = {"HF_TOKEN": "hf_x"}
+    path.write_text(yaml.safe_dump(config))
+    code, refused = _run(capsys, "launch", spec, "--json")
+    assert code == 2 and refused["error"] == "refused before launch"
+    assert {p["field"] for p in refused["problems"]} == {"envs.HF_TOKEN", "resources.accelerators"}
+    assert refused["file"] == str(path) and refused["fix"]
+    code, _ = _run(capsys, "status", "--json")  # nothing was launched
+    assert _ == {"jobs": []}
+
+
+def test_an_unknown_job_exits_5(capsys):
+    code, answer = _run(capsys, "status", "20260101-000000-abcdef", "--json")
+    assert code == 5 and answer["error"] == "no such job" and answer["field"] == "job_id"
+
+
+def test_an_api_server_that_does_not_answer_exits_4(tmp_path, capsys, monkeypatch):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("GPUDOOR_BACKEND", "skypilot")
+    monkeypatch.setenv("SKYPILOT_API_SERVER_ENDPOINT", f"http://127.0.0.1:{port}")
+    code, answer = _run(capsys, "launch", _task(tmp_path, "probe", "echo hi"), "--json")
+    assert code == 4 and answer["error"] == "cannot reach the API server"
+    assert answer["field"] == "api_server_endpoint" and "SKYPILOT_API_SERVER_ENDPOINT" in answer["fix"]
+
+
+@pytest.mark.parametrize("argv", [["status", "nope"], ["cancel", "nope"], ["logs", "nope"]])
+def test_human_mode_says_what_is_wrong_without_a_traceback(capsys, argv):
+    assert main(argv) == 5
+    err = capsys.readouterr().err
+    assert "no such job" in err and "Traceback" not in err
