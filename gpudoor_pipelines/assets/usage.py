@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import dagster as dg
 import pandas as pd
 
+from gpudoor_pipelines.k8s import cpu_step_tags
 from gpudoor_pipelines.launch.backends.base import JobUsage
 from gpudoor_pipelines.launch.client import PipesSkyPilotClient
 from gpudoor_pipelines.launch.fleet import Fleet
@@ -186,7 +187,13 @@ def _nice_ceiling(value: float) -> float:
     return next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= value)
 
 
-@dg.asset(group_name="usage", kinds={"pandas"}, partitions_def=WEEKS)
+@dg.asset(
+    group_name="usage",
+    kinds={"pandas"},
+    partitions_def=WEEKS,
+    # A busy week's queue (100,000 jobs) is read and tabled in memory: a few hundred MiB.
+    op_tags=cpu_step_tags("1", "2Gi"),
+)
 def gpu_usage(context: dg.AssetExecutionContext, skypilot: PipesSkyPilotClient) -> pd.DataFrame:
     """The week's GPU-hours, cost, preemptions and goodput per pool and cost owner, for every job the team ran.
 

@@ -477,16 +477,17 @@ def test_run_pod_env_is_what_the_package_reads():
 
 
 @pytest.mark.parametrize(
-    ("asset_name", "cpu", "memory"), [("dataset_shards", "1", "4Gi"), ("captioned_dataset", "1", "2Gi")]
+    ("asset_name", "cpu", "memory"),
+    [("dataset_shards", "1", "4Gi"), ("captioned_dataset", "1", "2Gi"), ("gpu_usage", "1", "2Gi")],
 )
 def test_cpu_step_pod_is_sized_by_its_op_tags(asset_name, cpu, memory, location):
     """A CPU step's own pod (k8s_job_executor): the location's context, sized by the asset's op tags."""
     from dagster_k8s.container_context import K8sContainerContext
     from dagster_k8s.job import DagsterK8sJobConfig, construct_dagster_k8s_job, get_user_defined_k8s_config
 
-    from gpudoor_pipelines.assets import captioning
+    from gpudoor_pipelines.assets import captioning, usage
 
-    asset = getattr(captioning, asset_name)
+    asset = getattr(captioning, asset_name, None) or getattr(usage, asset_name)
     step = K8sContainerContext(run_k8s_config=get_user_defined_k8s_config(asset.op.tags))
     context = K8sContainerContext.create_from_config(location["container_context"]).merge(step)
     job_config = DagsterK8sJobConfig(job_image=location["image"], dagster_home=CHART_DAGSTER_HOME)
