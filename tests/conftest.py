@@ -29,7 +29,17 @@ def _isolated_homes(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
     for var in ("GPUDOOR_BACKEND", "GPUDOOR_TRANSIT", "SKYPILOT_API_SERVER_ENDPOINT"):
         monkeypatch.delenv(var, raising=False)
+    _forget_process_state()  # each test's fake API server is new: no job states or usage from the last one
     yield home
+
+
+def _forget_process_state() -> None:
+    from gpudoor_pipelines.launch import watch
+    from gpudoor_pipelines.launch.backends import skypilot as skypilot_backend
+
+    watch._HUBS.clear()
+    skypilot_backend._USAGE_CACHE.clear()
+    skypilot_backend._USAGE_STALE.clear()
 
 
 @pytest.fixture(scope="session")

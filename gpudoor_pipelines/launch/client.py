@@ -33,6 +33,7 @@ from gpudoor_pipelines.launch.errors import JobFailed, LaunchConfigError
 from gpudoor_pipelines.launch.fleet import Fleet, load_fleet
 from gpudoor_pipelines.launch.request import LaunchRequest, resolve, slug
 from gpudoor_pipelines.launch.specs import TaskSpec, load_spec
+from gpudoor_pipelines.launch.watch import Backoff, StatusHub, status_hub
 from gpudoor_pipelines.transit.bucket import TransitBucket
 from gpudoor_pipelines.transit.resource import TransitBucketResource
 
@@ -179,6 +180,13 @@ class _LogStreams:
         self.prefix = len(job_ids) > 1
         self.open: dict[str, Any] = {}
         self.done: set[str] = set()
+        self.cued: set[str] = set()
+
+    def newly_ended(self) -> bool:
+        """Whether a followed job's log stream has ended since the last call (its job has, most likely)."""
+        ended = {job_id for job_id, follower in self.open.items() if follower.ended} - self.cued
+        self.cued |= ended
+        return bool(ended)
 
     def poll(self, infos: Mapping[str, JobInfo]) -> None:
         for job_id in self.job_ids:
@@ -324,7 +332,11 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
             default); a ``gpudoor/cost-owner`` run tag wins over both.
         user: who launches (for per-user caps and labels; ``GPUDOOR_USER``; default: the service
             account of ``service_account_token``, else the OS user).
-        poll_interval_s: seconds between status polls.
+        poll_interval_s: seconds to the first status poll of a job, and after each change of state;
+            also how often new log lines are handed to the run.
+        max_poll_interval_s: on a backend whose status requests go to a server (SkyPilot), polls of a
+            job whose state does not change back off, doubling, up to this. The job's log stream
+            ending triggers a poll at once, so the end of a job is not noticed later.
         cancel_timeout_s: how long to wait for a cancelled job to reach CANCELLED.
         forward_termination: cancel the job when the Dagster run is terminated.
         max_log_streams: how many jobs of a batch stream their logs into the run at once.
@@ -340,7 +352,10 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
     local_home: str | None = Field(default=None, description="State folder of the local backend.")
     cost_owner: str | None = Field(default=None, description="Cost owner label for every job.")
     user: str | None = Field(default=None, description="Who launches (labels, per-user caps).")
-    poll_interval_s: float = Field(default=0.5, description="Seconds between status polls.")
+    poll_interval_s: float = Field(default=0.5, description="Seconds to a job's first status poll and after each change.")
+    max_poll_interval_s: float = Field(
+        default=20.0, description="Longest wait between status polls of an unchanged job on SkyPilot."
+    )
     cancel_timeout_s: float = Field(default=180.0, description="Bound on waiting for CANCELLED.")
     forward_termination: bool = Field(default=True, description="Cancel the job when the run is terminated.")
     max_log_streams: int = Field(default=4, description="Logs of at most this many jobs of a batch stream into the run at once.")
@@ -510,28 +525,44 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
     def _wait_for_completion(
         self, context: dg.AssetExecutionContext, backend: Backend, job_id: str, redact: _Redactor
     ) -> JobInfo:
-        """Streams the job's log into the run until the job ends; forwards a termination to the job."""
+        """Streams the job's log into the run until the job ends; forwards a termination to the job.
+
+        Log lines are handed over every ``poll_interval_s``; the job's state is asked through the
+        process's status hub (one request for every job the process watches), backing off while it
+        does not change, and at once when the log stream ends.
+        """
         follower = backend.follow_logs(job_id)
-        last_state = None
+        hub = status_hub(backend)
+        hub.watch([job_id])
+        backoff = Backoff(self.poll_interval_s, self._max_poll_interval(backend))
+        # The first poll comes a poll interval after submission (a job just submitted is pending): steps
+        # that start together are then asked about in one request.
+        last_state, next_poll, stream_seen_ended = None, time.monotonic() + self.poll_interval_s, False
         try:
             while True:
-                info = backend.status(job_id)
                 for line in follower.poll():
                     context.log.info(redact(line))
-                if info.state != last_state:
-                    context.log.debug(f"Job {job_id}: {info.state.value}")
-                    last_state = info.state
-                if info.state.is_terminal:
-                    for line in follower.poll():
-                        context.log.info(redact(line))
-                    break
-                time.sleep(self.poll_interval_s)
+                ended = follower.ended and not stream_seen_ended
+                if ended or time.monotonic() >= next_poll:
+                    stream_seen_ended = stream_seen_ended or ended
+                    info = self._hub_status(hub, job_id)
+                    changed = info.state != last_state
+                    if changed:
+                        context.log.debug(f"Job {job_id}: {info.state.value}")
+                        last_state = info.state
+                    if info.state.is_terminal:
+                        for line in follower.poll():
+                            context.log.info(redact(line))
+                        break
+                    next_poll = time.monotonic() + backoff.after(changed or ended)
+                time.sleep(max(0.0, min(self.poll_interval_s, next_poll - time.monotonic())))
         except (dg.DagsterExecutionInterruptedError, KeyboardInterrupt):
             if self.forward_termination:
                 context.log.warning(f"Run terminated: cancelling job {job_id}.")
                 self._cancel_and_wait(context, backend, job_id)
             raise
         finally:
+            hub.unwatch([job_id])
             follower.close()
         if info.state.is_failure:
             tail = [redact(line) for line in backend.log_tail(job_id, 30)]
@@ -546,6 +577,18 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
                     "log_tail": dg.MetadataValue.md("```\n" + "\n".join(tail) + "\n```"),
                 },
             )
+        return info
+
+    def _max_poll_interval(self, backend: Backend) -> float:
+        """Local jobs' states are files: nothing to spare by asking less often."""
+        return self.max_poll_interval_s if backend.remote_status else self.poll_interval_s
+
+    def _hub_status(self, hub: StatusHub, job_id: str) -> JobInfo:
+        """The job's state from the hub: shared with the other steps of this process when it is at most a
+        poll interval old (a state read just before the job ended is asked again a poll interval later)."""
+        info = hub.get([job_id], max_age_s=self.poll_interval_s).get(job_id)
+        if info is None:
+            raise KeyError(f"the {hub.backend.name} backend has no job {job_id}")
         return info
 
     def _cancel_and_wait(self, context: dg.AssetExecutionContext, backend: Backend, job_id: str) -> None:
@@ -663,19 +706,31 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
             redact = _Redactor(job.secrets)
             logs = _LogStreams(backend, job_ids, self.max_log_streams, lambda line: context.log.info(redact(line)))
             infos: dict[str, JobInfo] = {}
+            # One status request for every rank per poll; polls back off while nothing changes, and come
+            # at once when a followed rank's log stream ends. Ranks report their work through Pipes
+            # (delivered every loop), so a later poll delays no materialization.
+            backoff = Backoff(self.poll_interval_s, self._max_poll_interval(backend))
+            next_poll, cue = 0.0, False
             try:
                 last_summary = ""
                 while True:
-                    infos.update(backend.statuses([i for i in job_ids if i not in infos or not infos[i].state.is_terminal]))
+                    if cue or time.monotonic() >= next_poll:
+                        infos.update(backend.statuses([i for i in job_ids if i not in infos or not infos[i].state.is_terminal]))
+                        summary = _summarize(infos.values())
+                        changed = summary != last_summary or cue
+                        if summary != last_summary:
+                            context.log.info(f"{pool_name}: {summary}")
+                            last_summary = summary
+                        if len(infos) == len(job_ids) and all(i.state.is_terminal for i in infos.values()):
+                            logs.poll(infos)
+                            deliver()
+                            break
+                        next_poll = time.monotonic() + backoff.after(changed)
                     logs.poll(infos)
                     deliver()
-                    summary = _summarize(infos.values())
-                    if summary != last_summary:
-                        context.log.info(f"{pool_name}: {summary}")
-                        last_summary = summary
-                    if len(infos) == len(job_ids) and all(i.state.is_terminal for i in infos.values()):
-                        break
-                    time.sleep(self.poll_interval_s)
+                    cue = logs.newly_ended()
+                    if not cue:
+                        time.sleep(max(0.0, min(self.poll_interval_s, next_poll - time.monotonic())))
             except (dg.DagsterExecutionInterruptedError, KeyboardInterrupt):
                 if self.forward_termination:
                     context.log.warning(f"Run terminated: cancelling the {len(job_ids)} jobs on pool {pool_name}.")

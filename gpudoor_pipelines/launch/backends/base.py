@@ -176,6 +176,11 @@ class LogFollower(abc.ABC):
     def poll(self) -> list[str]:
         """Lines written since the last call."""
 
+    @property
+    def ended(self) -> bool:
+        """The log stream has ended (the job has, or the connection dropped); False where it cannot tell."""
+        return False
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Stops following."""
 
@@ -207,6 +212,12 @@ class Backend(abc.ABC):
     """Runs resolved jobs somewhere. Implementations know nothing of Dagster."""
 
     name: str = "backend"
+    #: Status requests cost a round trip to a shared server: watchers back off while nothing changes.
+    remote_status: bool = False
+
+    def watch_key(self) -> tuple:
+        """What the jobs of this backend are watched under: one status hub per key and process."""
+        return (type(self).__name__, id(self))
 
     @abc.abstractmethod
     def submit(self, job: ResolvedJob) -> str:

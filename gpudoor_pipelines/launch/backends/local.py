@@ -174,6 +174,10 @@ class LocalBackend(Backend):
         self.jobs_root = self.home / "jobs"
         self.python = python or sys.executable
 
+    def watch_key(self) -> tuple:
+        """One status hub per state folder and process."""
+        return ("local", str(self.jobs_root))
+
     def job_dir(self, job_id: str) -> Path:
         """The folder of one job."""
         return self.jobs_root / job_id

@@ -84,6 +84,11 @@ class _QueueStream(io.TextIOBase):
             self._partial = ""
 
 
+_USAGE_LOCK = threading.Lock()
+_USAGE_CACHE: dict[str, tuple[float, Usage]] = {}  # endpoint -> (when the read started, usage)
+_USAGE_STALE: dict[str, float] = {}  # endpoint -> when this process last changed what is held
+
+
 class _ThreadFollower(LogFollower):
     """Runs a blocking SDK log stream (``follow=True``) in a thread; ``poll`` hands out its lines."""
 
@@ -99,6 +104,11 @@ class _ThreadFollower(LogFollower):
         except Exception as e:  # The stream ends with the job or the connection; say so in the log.
             self._lines.put(f"[gpudoor] log stream ended: {type(e).__name__}: {e}")
         self._stream.flush_partial()
+
+    @property
+    def ended(self) -> bool:
+        """The SDK's stream returned: the job ended (or the connection dropped), and every line is handed out."""
+        return not self._thread.is_alive() and self._lines.empty()
 
     def poll(self) -> list[str]:
         out = []
@@ -135,6 +145,12 @@ class SkyPilotBackend(Backend):
     """
 
     name = "skypilot"
+    remote_status = True
+    #: How long a read of what the team's jobs hold (``usage``) is reused by this process: the full
+    #: queue is the heaviest request a launch makes. This process's own submits and cancels drop it.
+    usage_ttl_s = 2.0
+    #: How long reads are retried while the API server cannot be reached (see ``_read``).
+    read_retry_s = 90.0
 
     def __init__(self, endpoint: str | None, token: str | None = None) -> None:
         if not endpoint:
@@ -147,6 +163,27 @@ class SkyPilotBackend(Backend):
         self.endpoint = endpoint.rstrip("/")
         self._token = token
         self.pool_poll_s = 5.0
+
+    def watch_key(self) -> tuple:
+        """One status hub per API server and process."""
+        return ("skypilot", self.endpoint)
+
+    def _read(self, request: Any) -> Any:
+        """``sky.get`` of a read-only request (states, the queue, a pool's status), sent again while the
+        API server cannot be reached, for up to ``read_retry_s``: a busy or restarting server is not a
+        failed step. Launches and cancels are never sent twice."""
+        sky = _sky()
+        from sky.exceptions import ApiServerConnectionError
+
+        deadline, wait = time.monotonic() + self.read_retry_s, 1.0
+        while True:
+            try:
+                return sky.get(request())
+            except ApiServerConnectionError:
+                if time.monotonic() + wait > deadline:
+                    raise
+                time.sleep(wait)
+                wait = min(wait * 2, 15.0)
 
     def check(self) -> None:
         """Fails fast, before anything is submitted, when the API server does not answer.
@@ -203,14 +240,15 @@ class SkyPilotBackend(Backend):
         sky = _sky()
         with _refusals(job):
             job_ids, _ = sky.get(sky.jobs.launch(self.build_task(job), name=job.name))
+        self._forget_usage()
         if not job_ids:
             raise RuntimeError(f"SkyPilot returned no job id for {job.name}")
         return str(job_ids[0])
 
     def _record(self, job_id: int):
         sky = _sky()
-        records, *_ = sky.get(
-            sky.jobs.queue_v2(refresh=False, all_users=True, job_ids=[job_id], fields=_QUEUE_FIELDS)
+        records, *_ = self._read(
+            lambda: sky.jobs.queue_v2(refresh=False, all_users=True, job_ids=[job_id], fields=_QUEUE_FIELDS)
         )
         for record in records:
             if record.job_id == job_id:
@@ -226,8 +264,8 @@ class SkyPilotBackend(Backend):
         if not job_ids:
             return {}
         sky = _sky()
-        records, *_ = sky.get(
-            sky.jobs.queue_v2(
+        records, *_ = self._read(
+            lambda: sky.jobs.queue_v2(
                 refresh=False, all_users=True, job_ids=[int(i) for i in job_ids], fields=_QUEUE_FIELDS
             )
         )
@@ -261,6 +299,7 @@ class SkyPilotBackend(Backend):
         task.workdir = job.workdir
         with _refusals(job):
             job_ids, _ = sky.get(sky.jobs.launch(task, name=job.name, pool=pool_name, num_jobs=num_jobs))
+        self._forget_usage()
         if len(job_ids or ()) != num_jobs:
             raise RuntimeError(
                 f"SkyPilot returned {len(job_ids or ())} job ids for {num_jobs} jobs of {job.name}"
@@ -270,7 +309,7 @@ class SkyPilotBackend(Backend):
     def _pool(self, pool_name: str) -> dict | None:
         sky = _sky()
         try:
-            records = sky.get(sky.jobs.pool_status([pool_name]))
+            records = self._read(lambda: sky.jobs.pool_status([pool_name]))
         except Exception as e:  # noqa: BLE001 - SkyPilot raises a plain exception for an unknown pool
             if "not found" in str(e).lower() or "does not exist" in str(e).lower():
                 return None
@@ -301,6 +340,7 @@ class SkyPilotBackend(Backend):
         if self._pool(pool_name) is None:
             return
         sky.get(sky.jobs.pool_down(pool_name))
+        self._forget_usage()
 
     def free_gpus(self, route: Route) -> int | None:
         """What the route's Slurm cluster reports free of the route's GPU (``realtime_slurm_gpu_availability``)."""
@@ -343,13 +383,36 @@ class SkyPilotBackend(Backend):
         """``sky.jobs.cancel`` of the job (returns once the request is accepted)."""
         sky = _sky()
         sky.get(sky.jobs.cancel(job_ids=[int(job_id)]))
+        self._forget_usage()
 
     def usage(self) -> Usage:
         """GPUs (and CPU-only jobs' vCPUs) held per pool and user label: by unfinished managed jobs, and by
-        the workers of warm pools (whose jobs the queue shows without labels: the workers hold the GPUs)."""
+        the workers of warm pools (whose jobs the queue shows without labels: the workers hold the GPUs).
+
+        Read at most every ``usage_ttl_s`` per process and API server (fifty steps starting together
+        make one full-queue request, not fifty); a submit or cancel from this process reads it again.
+        """
+        with _USAGE_LOCK:
+            cached = _USAGE_CACHE.get(self.endpoint)
+            if cached is not None and time.monotonic() - cached[0] < self.usage_ttl_s:
+                return cached[1]
+        asked = time.monotonic()
+        usage = self._read_usage()
+        with _USAGE_LOCK:
+            if self.endpoint not in _USAGE_STALE or _USAGE_STALE[self.endpoint] < asked:
+                _USAGE_CACHE[self.endpoint] = (asked, usage)
+        return usage
+
+    def _forget_usage(self) -> None:
+        """What this process just submitted or cancelled is not in the cached usage: read it again next time."""
+        with _USAGE_LOCK:
+            _USAGE_CACHE.pop(self.endpoint, None)
+            _USAGE_STALE[self.endpoint] = time.monotonic()
+
+    def _read_usage(self) -> Usage:
         sky = _sky()
-        records, *_ = sky.get(
-            sky.jobs.queue_v2(refresh=False, skip_finished=True, all_users=True, fields=_QUEUE_FIELDS)
+        records, *_ = self._read(
+            lambda: sky.jobs.queue_v2(refresh=False, skip_finished=True, all_users=True, fields=_QUEUE_FIELDS)
         )
         held = []
         for r in records:
@@ -376,9 +439,9 @@ class SkyPilotBackend(Backend):
         (``sky.cost_report``), one entry per time the cluster was up.
         """
         sky = _sky()
-        records, *_ = sky.get(
-            sky.jobs.queue_v2(refresh=False, skip_finished=False, all_users=True, submitted_before=until,
-                              fields=_HISTORY_FIELDS)
+        records, *_ = self._read(
+            lambda: sky.jobs.queue_v2(refresh=False, skip_finished=False, all_users=True, submitted_before=until,
+                                      fields=_HISTORY_FIELDS)
         )  # fmt: skip
         out = []
         for r in records:
@@ -413,7 +476,7 @@ class SkyPilotBackend(Backend):
         from gpudoor_pipelines.launch.policy import INTERACTIVE_PREFIXES
 
         now = time.time()
-        records = sky.get(sky.cost_report(days=max(1, math.ceil((now - since) / 86400.0) + 1)))
+        records = self._read(lambda: sky.cost_report(days=max(1, math.ceil((now - since) / 86400.0) + 1)))
         out = []
         for rec in records or ():
             name = str(rec.get("name") or "")
@@ -446,7 +509,7 @@ class SkyPilotBackend(Backend):
 
         sky = _sky()
         out = []
-        for record in sky.get(sky.jobs.pool_status(None)) or ():
+        for record in self._read(lambda: sky.jobs.pool_status(None)) or ():
             status = str(getattr(record.get("status"), "value", record.get("status")))
             if status in ("SHUTTING_DOWN", "FAILED_CLEANUP"):
                 continue

@@ -1,0 +1,96 @@
+"""Watching many jobs without flooding the API server, and without noticing their end any later.
+
+The backend is a counting stand-in (``watch_fakes.TimedBackend``): jobs that run for a set time and
+a log that ends with them. SkyPilot's API server cannot run fifty jobs on these machines; the Slurm
+tests watch real managed jobs through the same code.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from gpudoor_pipelines.launch.backends import skypilot as skypilot_backend
+from gpudoor_pipelines.launch.client import PipesSkyPilotClient, _Redactor
+from gpudoor_pipelines.launch.watch import Backoff, status_hub
+from gpudoor_pipelines.transit.resource import TransitBucketResource
+from tests.launch.fake_sky import FakeSky, Status
+from tests.launch.watch_fakes import TimedBackend, quiet_context
+
+
+def _client(tmp_path, **kwargs) -> PipesSkyPilotClient:
+    return PipesSkyPilotClient(
+        transit=TransitBucketResource(kind="local", local_root=str(tmp_path / "transit")), **kwargs
+    )
+
+
+def _watch_all(client, backend, job_ids) -> dict[str, float]:
+    """Each job watched by its own thread, as the steps of one run are; returns when each saw its job end."""
+    returned: dict[str, float] = {}
+
+    def watch(job_id: str) -> None:
+        info = client._wait_for_completion(quiet_context(), backend, job_id, _Redactor({}))
+        assert info.state.value == "SUCCEEDED"
+        returned[job_id] = time.monotonic()
+
+    threads = [threading.Thread(target=watch, args=(j,)) for j in job_ids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(returned) == len(job_ids)
+    return returned
+
+
+def test_fifty_steps_of_one_process_share_their_status_requests_and_see_each_end_at_once(tmp_path):
+    backend = TimedBackend()
+    client = _client(tmp_path, poll_interval_s=0.1, max_poll_interval_s=30.0)
+    jobs = [str(i) for i in range(50)]
+    for job_id in jobs:
+        backend.add(job_id, 3.5)
+    returned = _watch_all(client, backend, jobs)
+    # One request per job per poll interval, as before, would be 50 x 35 = 1,750 requests. Shared and
+    # backed off (0.1 s, then doubling), a handful of rounds cover all fifty jobs.
+    assert backend.requests <= 20, backend.requests
+    # Backed off, the next poll would come at 6.4 s; each log stream's end brought it forward.
+    ends = {j: backend.jobs[j][1] for j in jobs}
+    late = max(returned[j] - ends[j] for j in jobs)
+    assert late < 2.0, late
+
+
+def test_a_job_whose_state_keeps_changing_is_asked_about_at_the_short_interval():
+    backoff = Backoff(0.5, 20.0)
+    assert [backoff.after(changed=False) for _ in range(8)] == [1.0, 2.0, 4.0, 8.0, 16.0, 20.0, 20.0, 20.0]
+    assert backoff.after(changed=True) == 0.5
+
+
+def test_local_jobs_are_not_backed_off(tmp_path):
+    backend = TimedBackend(remote_status=False)  # states are files: asking costs nothing
+    client = _client(tmp_path, poll_interval_s=0.1, max_poll_interval_s=30.0)
+    backend.add("a", 1.5)
+    _watch_all(client, backend, ["a"])
+    assert backend.requests >= 10  # every 0.1 s, as before
+
+
+def test_an_unknown_job_is_an_error_not_a_wait(tmp_path):
+    backend = TimedBackend()
+    hub = status_hub(backend)
+    hub.watch(["nope"])
+    assert hub.get(["nope"]) == {}
+    client = _client(tmp_path, poll_interval_s=0.1)
+    with pytest.raises(KeyError, match="no job nope"):
+        client._wait_for_completion(quiet_context(), backend, "nope", _Redactor({}))
+
+
+def test_the_team_usage_is_read_once_for_launches_close_together_and_again_after_a_submit(monkeypatch):
+    fake = FakeSky("http://127.0.0.1:1")
+    monkeypatch.setattr(skypilot_backend, "_sky", lambda: fake)
+    fake.add_job(1, Status.RUNNING, {"gpudoor-pool": "onprem", "gpudoor-user": "ana"})
+    backend = skypilot_backend.SkyPilotBackend(fake.endpoint)
+    first = [skypilot_backend.SkyPilotBackend(fake.endpoint).usage() for _ in range(20)]
+    assert len(fake.queue_requests) == 1 and all(u.gpus == {"onprem": 1} for u in first)
+    backend.cancel("1")  # this process changed what is held: the next launch reads it again
+    backend.usage()
+    assert len(fake.queue_requests) == 2
