@@ -251,6 +251,10 @@ def _cmd_demo_stop(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``gpudoor`` command."""
+    import warnings
+
+    # Dagster's notices that an API of this package's code is in beta or preview are for its authors.
+    warnings.filterwarnings("ignore", message=r".* is currently in (beta|preview)")
     parser = argparse.ArgumentParser(prog="gpudoor", description="One door to every GPU.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser(
