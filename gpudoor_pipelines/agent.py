@@ -215,8 +215,10 @@ def recent_jobs(days: float = 7.0) -> list[dict[str, Any]]:
         from gpudoor_pipelines.launch.fleet import label_value
 
         now = time.time()
-        mine = [j for j in backend.job_history(now - days * 86400, now) if j.user == label_value(me)]
-        mine.sort(key=lambda j: j.started_at or 0, reverse=True)
+        since = now - days * 86400
+        history = backend.job_history(since, now, submitted_after=since)  # pending jobs included
+        mine = [j for j in history if j.user == label_value(me)]
+        mine.sort(key=lambda j: j.started_at or now, reverse=True)
         return [{**{k: (v.value if hasattr(v, "value") else v) for k, v in dataclasses.asdict(j).items()}} for j in mine]
 
     return _backend_call(read)

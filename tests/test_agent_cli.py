@@ -101,3 +101,33 @@ def test_human_mode_says_what_is_wrong_without_a_traceback(capsys, argv):
     assert main(argv) == 5
     err = capsys.readouterr().err
     assert "no such job" in err and "Traceback" not in err
+
+
+def test_on_skypilot_status_lists_the_agents_jobs_of_the_week_pending_ones_too(capsys, monkeypatch):
+    """The listing asks the server only for the week's jobs (not the whole history) and keeps a job still
+    waiting for a GPU. The SDK is a fake: an API server with jobs in every state cannot run here."""
+    from gpudoor_pipelines.launch.backends import skypilot as skypilot_backend
+    from tests.launch.fake_sky import FakeSky, Record, Status
+
+    fake = FakeSky("http://127.0.0.1:1")
+    monkeypatch.setattr(skypilot_backend, "_sky", lambda: fake)
+    monkeypatch.setattr(skypilot_backend.SkyPilotBackend, "check", lambda self: None)  # no server to ask
+    monkeypatch.setenv("GPUDOOR_BACKEND", "skypilot")
+    monkeypatch.setenv("SKYPILOT_API_SERVER_ENDPOINT", fake.endpoint)
+    monkeypatch.setenv("GPUDOOR_USER", "agent-7")
+    now = time.time()
+    mine = {"gpudoor-pool": "inference", "gpudoor-user": "agent-7", "gpudoor-cost-owner": "ml-research"}
+    theirs = {**mine, "gpudoor-user": "someone-else"}
+    fake.records = {r.job_id: r for r in [
+        Record(1, "queued", Status.PENDING, mine, None, "1x[L4:1]", submitted_at=now - 60),
+        Record(2, "done", Status.SUCCEEDED, mine, {"L4": 1}, "1x[L4:1]", submitted_at=now - 3600,
+               start_at=now - 3500, end_at=now - 3000),
+        Record(3, "theirs", Status.RUNNING, theirs, {"L4": 1}, "1x[L4:1]", submitted_at=now - 60, start_at=now - 50),
+        Record(4, "last-month", Status.SUCCEEDED, mine, {"L4": 1}, "1x[L4:1]", submitted_at=now - 30 * 86400,
+               start_at=now - 30 * 86400, end_at=now - 29 * 86400),
+    ]}  # fmt: skip
+    code, listed = _run(capsys, "status", "--json")
+    assert code == 0
+    assert [(j["job_id"], j["state"]) for j in listed["jobs"]] == [("1", "PENDING"), ("2", "SUCCEEDED")]
+    (request,) = fake.queue_requests
+    assert request["submitted_after"] == pytest.approx(now - 7 * 86400, abs=60) and request["all_users"]

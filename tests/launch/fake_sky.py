@@ -110,6 +110,8 @@ class FakeSky:
             rows = [r for r in self.records.values() if job_ids is None or r.job_id in job_ids]
             if submitted_before is not None:
                 rows = [r for r in rows if r.submitted_at is None or r.submitted_at <= submitted_before]
+            if filters.get("submitted_after") is not None:
+                rows = [r for r in rows if r.submitted_at is None or r.submitted_at >= filters["submitted_after"]]
             if limit is not None:  # the server returns the first page only
                 rows = rows[:limit]
             for r in rows if job_ids else ():

@@ -282,9 +282,13 @@ class Backend(abc.ABC):
     def stop_service(self, cluster_name: str) -> bool:
         """Tears a service's cluster down; True if one was running."""
 
-    def job_history(self, since: float, until: float) -> list[JobUsage]:
+    def job_history(self, since: float, until: float, *, submitted_after: float | None = None) -> list[JobUsage]:
         """Every job of the team's pools that held GPUs at some point between ``since`` and ``until`` (UNIX
-        seconds), whoever launched it and however (Dagster runs, demos, ad-hoc launches)."""
+        seconds), whoever launched it and however (Dagster runs, demos, ad-hoc launches).
+
+        With ``submitted_after`` (a listing of recent jobs rather than usage): only the jobs submitted
+        after it, asked of the backend as such, and those that have not started yet too.
+        """
         raise NotImplementedError(f"the {self.name} backend keeps no job history")
 
     def check(self) -> None:  # noqa: B027 - optional hook

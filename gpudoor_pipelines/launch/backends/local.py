@@ -426,14 +426,18 @@ class LocalBackend(Backend):
                 workers * int(spec.get("cpus_per_worker", 0)),
             )
 
-    def job_history(self, since: float, until: float) -> list[JobUsage]:
+    def job_history(self, since: float, until: float, *, submitted_after: float | None = None) -> list[JobUsage]:
         """Every local job that held GPUs between ``since`` and ``until``, read from the job folders: Dagster
-        steps, demos and ad-hoc launches alike. Local jobs are never preempted: they ran all the time they held."""
+        steps, demos and ad-hoc launches alike. Local jobs are never preempted: they ran all the time they held.
+        With ``submitted_after``: the jobs submitted after it, started or not."""
         out = []
         for job_dir in sorted(self.jobs_root.iterdir()) if self.jobs_root.is_dir() else ():
             state, task = read_state(job_dir), _read_json(job_dir / TASK_FILE)
             started, ended = state.get("started_at"), state.get("ended_at")
-            if not task or started is None or started >= until or (ended is not None and ended <= since):
+            if submitted_after is not None:
+                if not task or (state.get("submitted_at") or 0) <= submitted_after:
+                    continue
+            elif not task or started is None or started >= until or (ended is not None and ended <= since):
                 continue
             info = self.status(job_dir.name)  # a runner that died without a verdict gets its end here
             config = task.get("config") or {}

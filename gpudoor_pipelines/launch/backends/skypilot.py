@@ -426,7 +426,7 @@ class SkyPilotBackend(Backend):
         held.extend(self._pool_workers_held())
         return Usage.tally(held)
 
-    def job_history(self, since: float, until: float) -> list[JobUsage]:
+    def job_history(self, since: float, until: float, *, submitted_after: float | None = None) -> list[JobUsage]:
         """Every managed job with a ``gpudoor-pool`` label that ran between ``since`` and ``until``, whoever
         launched it, from one ``sky.jobs.queue_v2`` request over all users.
 
@@ -437,16 +437,22 @@ class SkyPilotBackend(Backend):
         recovering after preemptions. Demos and dev clusters (``lab-…``, ``dev-…``, launched with
         ``sky.launch``) are clusters, not managed jobs: they come from SkyPilot's cluster history
         (``sky.cost_report``), one entry per time the cluster was up.
+
+        With ``submitted_after`` (``gpudoor status``): the server leaves out every job submitted before
+        it, so a listing does not read the whole history; jobs not started yet are kept.
         """
         sky = _sky()
         records, *_ = self._read(
             lambda: sky.jobs.queue_v2(refresh=False, skip_finished=False, all_users=True, submitted_before=until,
-                                      fields=_HISTORY_FIELDS)
+                                      submitted_after=submitted_after, fields=_HISTORY_FIELDS)
         )  # fmt: skip
         out = []
         for r in records:
             started, ended = r.start_at or None, r.end_at or None
-            if started is None or started >= until or (ended is not None and ended <= since):
+            if submitted_after is not None:
+                if (r.submitted_at or 0) <= submitted_after:
+                    continue
+            elif started is None or started >= until or (ended is not None and ended <= since):
                 continue
             # The launched task is parsed only when the queue no longer shows the job's cluster.
             task = _launched_task(r.user_yaml, r.task_id) if not (r.labels and r.accelerators) else {}
