@@ -137,6 +137,15 @@ class TaskSpec:
         return [int(p) for p in (ports if isinstance(ports, list) else [ports])]
 
 
+def gpus_per_node(accelerators: Any) -> int:
+    """GPUs a node of a job got, from its ``resources.accelerators`` in any form: several types listed are
+    alternatives, so it got one of them (the most, counted conservatively); 0 for none or an unreadable value."""
+    try:
+        return max(parse_accelerators(accelerators).values(), default=0)
+    except LaunchConfigError:
+        return 0
+
+
 def parse_accelerators(value: Any, source: str = "(spec)") -> dict[str, int]:
     """Parses SkyPilot's ``resources.accelerators`` forms into ``{type: count}``.
 

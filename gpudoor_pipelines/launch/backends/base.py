@@ -5,10 +5,11 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpudoor_pipelines.launch.routing import Route, Usage
+from gpudoor_pipelines.launch.rules import LABEL_COST_OWNER, LABEL_POOL, LABEL_STEP, LABEL_USER
 
 
 class JobState(enum.StrEnum):
@@ -153,6 +154,18 @@ class JobUsage:
     state: JobState
     recoveries: int = 0
     ran_s: float | None = None
+
+    @classmethod
+    def from_labels(cls, labels: Mapping[str, Any], *, pool: str = "unknown", **fields: Any) -> JobUsage:
+        """A job's usage with where, who and what read from the door's labels on it (``gpudoor-pool``,
+        ``gpudoor-user``, ``gpudoor-cost-owner``, ``gpudoor-step``); ``pool`` where it has no pool label."""
+        return cls(
+            pool=str(labels.get(LABEL_POOL) or pool),
+            user=str(labels.get(LABEL_USER) or "unknown"),
+            cost_owner=str(labels.get(LABEL_COST_OWNER) or "unknown"),
+            step=str(labels.get(LABEL_STEP) or ""),
+            **fields,
+        )
 
     def held_s(self, since: float, until: float) -> float:
         """Seconds the job held its GPUs between ``since`` and ``until`` (a running job holds them up to ``until``)."""

@@ -31,10 +31,9 @@ from gpudoor_pipelines.launch.backends.base import (
     ResolvedJob,
     Service,
 )
-from gpudoor_pipelines.launch.errors import LaunchConfigError
 from gpudoor_pipelines.launch.routing import Usage
-from gpudoor_pipelines.launch.rules import LABEL_COST_OWNER, LABEL_POOL, LABEL_STEP, LABEL_USER
-from gpudoor_pipelines.launch.specs import parse_accelerators, parse_cpus
+from gpudoor_pipelines.launch.rules import LABEL_USER
+from gpudoor_pipelines.launch.specs import gpus_per_node, parse_accelerators, parse_cpus
 
 LOG_FILE = "run.log"
 STATE_FILE = "state.json"
@@ -442,15 +441,13 @@ class LocalBackend(Backend):
             info = self.status(job_dir.name)  # a runner that died without a verdict gets its end here
             config = task.get("config") or {}
             resources = config.get("resources") or {}
-            labels = {str(k): str(v) for k, v in (resources.get("labels") or {}).items()}
             nodes = int(config.get("num_nodes") or 1)
             now = time.time()
             out.append(
-                JobUsage(
+                JobUsage.from_labels(
+                    resources.get("labels") or {}, pool=task.get("pool", "unknown"),
                     job_id=job_dir.name, name=info.name or task.get("name", ""),
-                    pool=labels.get(LABEL_POOL) or task.get("pool", "unknown"),
-                    user=labels.get(LABEL_USER, "unknown"), cost_owner=labels.get(LABEL_COST_OWNER) or "unknown",
-                    step=labels.get(LABEL_STEP, ""), gpus=_gpus_per_node(resources.get("accelerators")) * nodes,
+                    gpus=gpus_per_node(resources.get("accelerators")) * nodes,
                     started_at=info.started_at, ended_at=info.ended_at, state=info.state, recoveries=info.recoveries,
                     ran_s=((info.ended_at or now) - info.started_at) if info.started_at is not None else None,
                 )
@@ -515,14 +512,6 @@ class _LocalService(Service):
             if s.connect_ex(("127.0.0.1", local_port)) != 0:
                 return None
         return f"http://127.0.0.1:{local_port}"
-
-
-def _gpus_per_node(accelerators: object) -> int:
-    """GPUs a node of the job gets: several types listed are alternatives, so the job got one of them."""
-    try:
-        return max(parse_accelerators(accelerators).values(), default=0)
-    except LaunchConfigError:
-        return 0
 
 
 def _kill_group(pgid: int, sig: signal.Signals) -> None:

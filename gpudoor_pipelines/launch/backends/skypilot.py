@@ -30,7 +30,8 @@ from gpudoor_pipelines.launch.backends.base import (
 )
 from gpudoor_pipelines.launch.errors import LaunchConfigError
 from gpudoor_pipelines.launch.routing import Route, Usage
-from gpudoor_pipelines.launch.rules import LABEL_COST_OWNER, LABEL_POOL, LABEL_STEP, LABEL_USER
+from gpudoor_pipelines.launch.rules import LABEL_POOL, LABEL_USER
+from gpudoor_pipelines.launch.specs import gpus_per_node
 
 _QUEUE_FIELDS = [
     "job_id", "job_name", "status", "infra", "cloud", "region", "zone", "recovery_count", "submitted_at", "start_at",
@@ -463,10 +464,8 @@ class SkyPilotBackend(Backend):
             m = _NODES.match(r.resources or "")
             nodes = int(m.group(1)) if m else int(task.get("num_nodes") or 1)
             out.append(
-                JobUsage(
-                    job_id=str(r.job_id), name=r.job_name or "", pool=str(labels[LABEL_POOL]),
-                    user=str(labels.get(LABEL_USER, "unknown")), cost_owner=str(labels.get(LABEL_COST_OWNER) or "unknown"),
-                    step=str(labels.get(LABEL_STEP, "")), gpus=_record_gpus(r, resources) * nodes,
+                JobUsage.from_labels(
+                    labels, job_id=str(r.job_id), name=r.job_name or "", gpus=_record_gpus(r, resources) * nodes,
                     started_at=started, ended_at=ended, state=_state(r.status), recoveries=int(r.recovery_count or 0),
                     ran_s=float(r.job_duration) if r.job_duration is not None else None,
                 )
@@ -490,16 +489,14 @@ class SkyPilotBackend(Backend):
             labels = {str(k): str(v) for k, v in (getattr(resources, "labels", None) or {}).items()}
             if not name.startswith(INTERACTIVE_PREFIXES) or not labels.get(LABEL_POOL):
                 continue
-            gpus = max((float(v) for v in (getattr(resources, "accelerators", None) or {}).values()), default=0.0)
+            gpus = gpus_per_node(getattr(resources, "accelerators", None))
             nodes = int(rec.get("num_nodes") or 1)
             for start, end in rec.get("usage_intervals") or ():
                 if start is None or start >= until or (end is not None and end <= since):
                     continue
                 out.append(
-                    JobUsage(
-                        job_id=f"{name}@{int(start)}", name=name, pool=labels[LABEL_POOL],
-                        user=labels.get(LABEL_USER, "unknown"), cost_owner=labels.get(LABEL_COST_OWNER) or "unknown",
-                        step=labels.get(LABEL_STEP, ""), gpus=gpus * nodes, started_at=float(start),
+                    JobUsage.from_labels(
+                        labels, job_id=f"{name}@{int(start)}", name=name, gpus=gpus * nodes, started_at=float(start),
                         ended_at=None if end is None else float(end),
                         state=JobState.RUNNING if end is None else JobState.SUCCEEDED,
                         ran_s=(now if end is None else float(end)) - float(start),
@@ -640,17 +637,10 @@ def _record_gpus(r: Any, resources: dict) -> float:
 
     Several types listed are alternatives: the job got one of them.
     """
-    from gpudoor_pipelines.launch.specs import parse_accelerators
-
-    counts: dict[str, float] = {k: float(v) for k, v in (r.accelerators or {}).items()}
+    counts = gpus_per_node(r.accelerators) or gpus_per_node(resources.get("accelerators"))
     if not counts:
-        try:
-            counts = {k: float(v) for k, v in parse_accelerators(resources.get("accelerators")).items()}
-        except LaunchConfigError:
-            counts = {}
-    if not counts:
-        counts = {name: float(n) for name, n in _GPUS.findall(r.resources or "") if name.upper() != "CPU"}
-    return max(counts.values(), default=0.0)
+        counts = max((float(n) for name, n in _GPUS.findall(r.resources or "") if name.upper() != "CPU"), default=0.0)
+    return float(counts)
 
 
 def _info(r: Any) -> JobInfo:
