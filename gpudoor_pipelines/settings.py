@@ -12,6 +12,8 @@ machine: the local backend and a transit bucket in a local folder.
 | ``GPUDOOR_COST_OWNER`` | cost owner label for every job (default: the fleet's default) |
 | ``GPUDOOR_HOME`` | state folder of the embedded default (default ``~/.gpudoor``) |
 | ``GPUDOOR_USER`` | who launches, for labels and per-user caps (an agent's or service's name; default: the service account, else the OS user) |
+| ``GPUDOOR_LABEL_KEY`` | the deployment's key: jobs' run identity labels are signed with it (the API server checks them with ``GPUDOOR_POLICY_LABEL_KEY``, the orphan reconciler trusts only signed ones) |
+| ``GPUDOOR_DEPLOYMENT`` | this Dagster deployment's name on its jobs (default: Dagster+'s deployment name, else ``default``); each deployment's orphan reconciler judges only its own jobs |
 | ``GPUDOOR_TRANSIT`` and ``GPUDOOR_S3_*`` | the transit bucket (see ``gpudoor_pipelines.transit.resource``) |
 """
 

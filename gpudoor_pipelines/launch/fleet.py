@@ -190,6 +190,29 @@ class EvalPolicy(BaseModel):
         return self.max_runs_per_tick * self.checkpoints_per_run
 
 
+class ReconcilerPolicy(BaseModel):
+    """What the orphan reconciler releases, and when.
+
+    Attributes:
+        grace_minutes: a job or warm pool whose Dagster run has ended (or that names a run this Dagster
+            instance does not know) is released this long after the run's end (or the job's submission).
+        interactive_ttl_hours: an interactive cluster (``lab-…``, ``dev-…``) is torn down this long after
+            it was launched, unless its launch asked for another time to live.
+        max_interactive_ttl_hours: the longest time to live a launch may ask for.
+        release_timeout_minutes: how long a release may take to be confirmed (the job terminal, its
+            cluster gone) before it is reported as not confirmed.
+        dry_run: say what would be released, release nothing.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    grace_minutes: float = Field(default=10.0, ge=0)
+    interactive_ttl_hours: float = Field(default=12.0, gt=0)
+    max_interactive_ttl_hours: float = Field(default=72.0, gt=0)
+    release_timeout_minutes: float = Field(default=5.0, gt=0)
+    dry_run: bool = False
+
+
 class Fleet(BaseModel):
     """All pools, the pools each step kind may use in order of preference, and who pays.
 
@@ -203,6 +226,7 @@ class Fleet(BaseModel):
         default_cost_owner: the cost owner of jobs that name none.
         night_window: when the nightly captioning may launch.
         evaluation: what the checkpoint sensor evaluates, and how much at once.
+        reconciler: what the orphan reconciler releases, and when; interactive clusters' time to live.
         secrets: the secrets a job may ask for by name (``secrets: {HF_TOKEN: null}`` in its task file).
     """
 
@@ -217,6 +241,7 @@ class Fleet(BaseModel):
     default_cost_owner: str = ""
     night_window: NightWindow = Field(default_factory=NightWindow)
     evaluation: EvalPolicy = Field(default_factory=EvalPolicy)
+    reconciler: ReconcilerPolicy = Field(default_factory=ReconcilerPolicy)
     secrets: tuple[str, ...] = ()
 
     @model_validator(mode="before")
@@ -302,7 +327,7 @@ def parse_fleet(raw: Any, source: str) -> Fleet:
         loc = tuple(err["loc"])
         field = _field_path(loc)
         if err["type"] == "extra_forbidden":
-            model = {"pools": Pool, "evaluation": EvalPolicy, "night_window": NightWindow}.get(loc[0], Fleet)
+            model = {"pools": Pool, "evaluation": EvalPolicy, "reconciler": ReconcilerPolicy, "night_window": NightWindow}.get(loc[0], Fleet)
             known = _known_fields(model)
             fix = f"remove it; known fields: {known}{did_you_mean(loc[-1], known)}"
             raise LaunchConfigError(source, field, "unknown field", fix) from None

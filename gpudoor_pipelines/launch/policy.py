@@ -35,11 +35,14 @@ from gpudoor_pipelines.launch.errors import LaunchConfigError  # noqa: E402
 from gpudoor_pipelines.launch.fleet import Fleet, load_fleet  # noqa: E402
 from gpudoor_pipelines.launch.routing import route  # noqa: E402
 from gpudoor_pipelines.launch.rules import (  # noqa: E402
+    LABEL_KEY_ENV,
     LABEL_POOL,
     TRANSIT_SECRET_NAMES,
     Injected,
     LaunchContext,
     apply_rules,
+    identity_verified,
+    without_identity,
 )
 from gpudoor_pipelines.launch.specs import TaskSpec, parse_accelerators, task_infra, task_problems  # noqa: E402
 
@@ -52,6 +55,10 @@ SECRET_ENV_VARS = TRANSIT_SECRET_NAMES
 #: Non-secret transit settings copied from the API server's environment into every job.
 TRANSIT_ENV_VARS = ("AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION")
 _POLICY_ENV_PREFIX = "GPUDOOR_POLICY_"
+
+
+#: The deployment's key for the run identity on jobs (``GPUDOOR_POLICY_LABEL_KEY`` on the API server).
+LABEL_KEY_NAME = "LABEL_KEY"
 
 
 def _server_values(names: tuple[str, ...]) -> dict[str, str]:
@@ -113,6 +120,14 @@ def mutate_config(
     """
     resources = config.get("resources") or {}
     labels = {str(k): str(v) for k, v in (resources.get("labels") or {}).items()}
+    if at_client_side:
+        sign_key = os.environ.get(LABEL_KEY_ENV) or None
+    else:
+        # Who launched comes from the server's authenticated user (``user``); which Dagster run, only from
+        # labels signed with the deployment's key. Anything else a task claims is dropped, never kept.
+        sign_key = _server_values((LABEL_KEY_NAME,)).get(LABEL_KEY_NAME)
+        if not (sign_key and identity_verified(labels, sign_key)):
+            labels = without_identity(labels)
     ctx = LaunchContext.from_labels(labels, user=user, interactive=interactive)
     # A task from the door's launcher carries input URIs the launcher filled in; it checked the file itself.
     problems = task_problems(config, source, launcher_inputs=ctx.via in ("launcher", "policy"), from_file=False)
@@ -127,10 +142,11 @@ def mutate_config(
                        user=ctx.user, infra_field=(source, "resources.infra"))  # fmt: skip
     except LaunchConfigError as e:
         raise LaunchConfigError.combine([*problems, e]) from None
-    injected = Injected()
+    injected = Injected(sign_key=sign_key)
     if not at_client_side:  # only the server holds these; a client-side pass leaves them to it
         secrets = {**_server_values(SECRET_ENV_VARS), **_server_values(tuple(fleet.secrets))}
-        injected = Injected(env=_server_values(TRANSIT_ENV_VARS), secrets=secrets, fill_only=True, require_secrets=True)
+        injected = Injected(env=_server_values(TRANSIT_ENV_VARS), secrets=secrets, fill_only=True, require_secrets=True,
+                            sign_key=sign_key)  # fmt: skip
     try:
         mutated = apply_rules(config, chosen, ctx, fleet, injected, source=source).config
     except LaunchConfigError as e:

@@ -17,7 +17,13 @@ from gpudoor_pipelines.launch.backends.base import ResolvedJob
 from gpudoor_pipelines.launch.errors import LaunchConfigError
 from gpudoor_pipelines.launch.fleet import PROJECT_ROOT, Fleet
 from gpudoor_pipelines.launch.routing import Usage, route
-from gpudoor_pipelines.launch.rules import Injected, LaunchContext, apply_rules
+from gpudoor_pipelines.launch.rules import (
+    LABEL_KEY_ENV,
+    Injected,
+    LaunchContext,
+    apply_rules,
+    deployment_name,
+)
 from gpudoor_pipelines.launch.specs import TaskSpec, task_infra
 
 
@@ -49,6 +55,8 @@ class LaunchRequest:
         cluster_name: the cluster a service is launched on.
         step: the step kind, set by the launcher (the asset's step, ``--step``); None routes by
             what the task needs (or by the task's own ``gpudoor-step`` label).
+        ttl_hours: an interactive cluster's own time to live (else the task's ``gpudoor-ttl-hours``
+            label, else the fleet's); the orphan reconciler tears it down after it.
     """
 
     spec: TaskSpec
@@ -66,6 +74,7 @@ class LaunchRequest:
     interactive: bool = False
     cluster_name: str | None = None
     step: str | None = None
+    ttl_hours: float | None = None
 
     @property
     def run_id(self) -> str | None:
@@ -121,12 +130,16 @@ def resolve(request: LaunchRequest, fleet: Fleet, *, usage: Usage | None = None)
         raise LaunchConfigError.combine([*problems, e]) from None
     ours = {"dagster/asset": request.asset, "dagster/partition": request.partition}
     identity = {**request.dagster, **{k: v for k, v in ours.items() if v}}
+    if identity.get("dagster/run-id"):
+        identity["dagster/deployment"] = deployment_name()
     cost_owner = request.cost_owner or own.cost_owner or request.default_cost_owner or fleet.default_cost_owner
+    ttl = request.ttl_hours if request.ttl_hours is not None else own.ttl_hours
     ctx = LaunchContext(cost_owner=cost_owner, user=request.user, step=step, interactive=request.interactive,
-                        dagster=identity, via="launcher")  # fmt: skip
+                        dagster=identity, via="launcher", ttl_hours=ttl)  # fmt: skip
     asked = (spec.config.get("secrets") or {})
     own_secrets = {n: os.environ[n] for n in asked if n in fleet.secrets and os.environ.get(n)}
-    injected = Injected(env={**request.inputs, **request.env}, secrets={**own_secrets, **request.secrets}, require_secrets=True)
+    injected = Injected(env={**request.inputs, **request.env}, secrets={**own_secrets, **request.secrets}, require_secrets=True,
+                        sign_key=os.environ.get(LABEL_KEY_ENV) or None)  # fmt: skip
     try:
         ruled = apply_rules(spec.config, chosen, ctx, fleet, injected, source=spec.path)
     except LaunchConfigError as e:

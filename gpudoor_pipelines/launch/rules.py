@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
+import hmac
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,8 +34,17 @@ LABEL_STEP = "gpudoor-step"
 LABEL_ASSET = "dagster-asset"
 LABEL_RUN_ID = "dagster-run-id"
 LABEL_PARTITION = "dagster-partition"
+#: Which Dagster deployment launched the job (``GPUDOOR_DEPLOYMENT``): each deployment's reconciler
+#: judges only its own jobs, when several share one API server (production and staging).
+LABEL_DEPLOYMENT = "dagster-deployment"
 #: Set by the door's launcher: the launcher checked the task file itself and filled its inputs.
 LABEL_VIA = "gpudoor-via"
+#: An interactive cluster's own time to live, in hours (the fleet's ``reconciler`` section caps it).
+LABEL_TTL = "gpudoor-ttl-hours"
+#: A keyed digest of the job's ``dagster-*`` labels: whoever holds the deployment's key wrote them.
+LABEL_SIGNATURE = "gpudoor-signature"
+#: The launcher's (and the reconciler's) copy of the deployment's key for ``gpudoor-signature``.
+LABEL_KEY_ENV = "GPUDOOR_LABEL_KEY"
 #: The transit bucket's credentials, which the launcher (or the server) passes to every job as secrets.
 TRANSIT_SECRET_NAMES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 POOL_ENV = "GPUDOOR_POOL"
@@ -41,6 +53,35 @@ PRIORITY_FIELD = "config.kubernetes.pod_config.spec.priorityClassName"
 def _label_key(dagster_key: str) -> str:
     # Dagster's execution info is keyed `dagster/run-id`; labels keep one flat `dagster-run-id` form.
     return dagster_key.replace("/", "-")
+
+
+def deployment_name() -> str:
+    """This Dagster deployment's name: ``GPUDOOR_DEPLOYMENT``, else Dagster+'s ``DAGSTER_CLOUD_DEPLOYMENT_NAME``,
+    else ``default``."""
+    return os.environ.get("GPUDOOR_DEPLOYMENT") or os.environ.get("DAGSTER_CLOUD_DEPLOYMENT_NAME") or "default"
+
+
+def identity_signature(labels: Mapping[str, str], key: str) -> str:
+    """A keyed digest (HMAC-SHA256, 32 hex digits) of the ``dagster-*`` labels: which Dagster run launched a job.
+
+    The launcher signs with the deployment's key (``GPUDOOR_LABEL_KEY``), the API server's policy checks
+    with the same key (``GPUDOOR_POLICY_LABEL_KEY``), and the orphan reconciler trusts a job's run only
+    when the digest matches: a task file or a raw ``sky.jobs.launch`` cannot claim a run.
+    """
+    text = "\n".join(f"{k}={v}" for k, v in sorted(labels.items()) if k.startswith("dagster-"))
+    return hmac.new(key.encode(), text.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def identity_verified(labels: Mapping[str, str], key: str | None) -> bool:
+    """Whether the job's ``dagster-*`` labels carry a valid signature under ``key`` (no key: nothing to check)."""
+    if not key or not any(k.startswith("dagster-") for k in labels):
+        return True
+    return hmac.compare_digest(str(labels.get(LABEL_SIGNATURE, "")), identity_signature(labels, key))
+
+
+def without_identity(labels: Mapping[str, str]) -> dict[str, str]:
+    """The labels less the run identity (``dagster-*``) and its signature."""
+    return {k: v for k, v in labels.items() if not k.startswith("dagster-") and k != LABEL_SIGNATURE}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +95,8 @@ class LaunchContext:
         interactive: a cluster that stays up (demo, dev session): autostop applies.
         dagster: the Dagster run's identity (``dagster/run-id``, ``dagster/job``, ``dagster/partition``,
             ...) and ``dagster/asset``; empty outside Dagster.
+        via: who checked the task file (``launcher``), if not the policy.
+        ttl_hours: an interactive cluster's own time to live (else the fleet's).
     """
 
     cost_owner: str | None
@@ -62,6 +105,7 @@ class LaunchContext:
     interactive: bool = False
     dagster: Mapping[str, str] = dataclasses.field(default_factory=dict)
     via: str | None = None
+    ttl_hours: float | None = None
 
     def labels(self) -> dict[str, str]:
         """The context as job labels, with Kubernetes-valid values."""
@@ -71,6 +115,8 @@ class LaunchContext:
             out[LABEL_STEP] = self.step
         if self.interactive:
             out[LABEL_INTERACTIVE] = "true"
+            if self.ttl_hours is not None:
+                out[LABEL_TTL] = f"{self.ttl_hours:g}"
         return {k: label_value(v) for k, v in out.items()}
 
     @classmethod
@@ -84,7 +130,15 @@ class LaunchContext:
             interactive=interactive or labels.get(LABEL_INTERACTIVE) == "true",
             dagster=dagster,
             via=labels.get(LABEL_VIA),
+            ttl_hours=_hours(labels.get(LABEL_TTL)),
         )
+
+
+def _hours(value: str | None) -> float | None:
+    try:
+        return float(value) if value not in (None, "") else None
+    except ValueError:
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,12 +151,14 @@ class Injected:
         secrets: credentials (transit bucket), passed as SkyPilot secrets so they are redacted.
         fill_only: set env only where the task has no value yet (the server filling in its settings).
         require_secrets: a secret the task asks for must have a value by now (the server, last to fill).
+        sign_key: the deployment's key: the run identity labels are signed with it.
     """
 
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     secrets: Mapping[str, str] = dataclasses.field(default_factory=dict, repr=False)
     fill_only: bool = False
     require_secrets: bool = False
+    sign_key: str | None = dataclasses.field(default=None, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +239,19 @@ def autostop_rule(d: Draft) -> None:
         d.notes.append(f"autostop after {minutes} idle minutes (interactive cluster)")
 
 
+def ttl_rule(d: Draft) -> None:
+    """An interactive cluster is torn down by the orphan reconciler once its time to live is over, busy or not."""
+    if not d.ctx.interactive:
+        return
+    policy = d.fleet.reconciler
+    asked = d.ctx.ttl_hours
+    if asked is not None and not 0 < asked <= policy.max_interactive_ttl_hours:
+        d.reject(f"labels.{LABEL_TTL}", f"a time to live of {asked:g} hours",
+                 f"ask for more than 0 and at most {policy.max_interactive_ttl_hours:g} hours (reconciler.max_interactive_ttl_hours in {d.fleet.source})")  # fmt: skip
+    hours = asked if asked is not None else policy.interactive_ttl_hours
+    d.notes.append(f"torn down {hours:g} hours after launch (interactive cluster)")
+
+
 def labels_rule(d: Draft) -> None:
     """Who pays, who launched, which Dagster run and asset, which pool: on every job.
 
@@ -193,6 +262,11 @@ def labels_rule(d: Draft) -> None:
     ours = d.ctx.labels()
     if d.ctx.via:
         ours[LABEL_VIA] = label_value(d.ctx.via)
+    if any(k.startswith("dagster-") for k in ours):
+        if d.injected.sign_key:
+            ours[LABEL_SIGNATURE] = identity_signature(ours, d.injected.sign_key)
+        elif (signed := (d.resources.get("labels") or {}).get(LABEL_SIGNATURE)) is not None:
+            ours[LABEL_SIGNATURE] = str(signed)  # a pass without the key keeps the launcher's; the server checks it
     d.resources["labels"] = {**own, **ours, LABEL_POOL: label_value(d.route.pool.name)}
 
 
@@ -235,7 +309,7 @@ def secrets_rule(d: Draft) -> None:
 
 
 RULES: tuple[Callable[[Draft], None], ...] = (
-    cost_owner_rule, placement_rule, priority_class_rule, autostop_rule, labels_rule, env_rule, secrets_rule,
+    cost_owner_rule, placement_rule, priority_class_rule, autostop_rule, ttl_rule, labels_rule, env_rule, secrets_rule,
 )  # fmt: skip
 
 

@@ -274,7 +274,13 @@ def task_problems(config: Any, source: str, *, launcher_inputs: bool = False, fr
         if looks_like_credential(name):
             add(f"envs.{name}", "looks like a credential", "declare it under `secrets:` with no value (`secrets: {NAME: null}`); "
                 "the fleet lists the secrets a job may ask for, and the value comes from the launcher's environment")  # fmt: skip
-        elif not launcher_inputs and value is not None and _PATHLIKE.match(str(value)):
+        elif (
+            not launcher_inputs
+            and value is not None
+            and _PATHLIKE.match(str(value))
+            # SkyPilot's client adds its own settings (the API server's URL) to a task it sends.
+            and (from_file or not name.startswith("SKYPILOT_"))
+        ):
             add(f"envs.{name}", f"holds a path or URI ({value!r})",
                 "remove it: per-cluster paths come from the pool's `env` in task_specs/fleet.yaml, data URIs from the launcher")  # fmt: skip
     return problems

@@ -168,6 +168,8 @@ def test_a_cluster_launch_is_interactive_whatever_its_name(sky):
 
 def test_server_pass_after_client_pass_changes_nothing(sky, monkeypatch):
     """Client then server (with its credentials): the second pass only adds what the server holds."""
+    monkeypatch.setenv("GPUDOOR_LABEL_KEY", "deployment-key")
+    monkeypatch.setenv("GPUDOOR_POLICY_LABEL_KEY", "deployment-key")
     first = _apply(sky, _spec("eval", infra="k8s/inference-prod", labels={**OWNER, "dagster-run-id": "0123abcd", "dagster-asset": "checkpoint_evals"}))
     second = _apply(sky, first.to_yaml_config(), at_client_side=False)
     # The server names the user itself (it knows who sent the request); everything else is unchanged.
@@ -240,3 +242,53 @@ def test_file_mounts_skypilot_adds_for_the_launchers_workdir_are_not_refused(sky
     launched = {**_spec("caption", labels={**OWNER, "gpudoor-via": "launcher"}), "file_mounts": mounts}
     assert mutate_config(launched, load_fleet(), user="ada")["file_mounts"] == mounts
     _rejected(sky, {**_spec("caption", labels=OWNER), "file_mounts": {"/data": "s3://somewhere/data"}}, "transit bucket", at_client_side=False)
+
+
+RUN = {"dagster-run-id": "0123abcd", "dagster-asset": "checkpoint_evals"}
+
+
+def test_a_run_identity_reaches_the_server_only_when_signed_with_the_deployment_key(sky, monkeypatch):
+    """The launcher signs the dagster-* labels; the server keeps them only when the signature checks out
+    under its own copy of the key. A task that claims a run by writing the labels itself loses them."""
+    monkeypatch.setenv("GPUDOOR_POLICY_LABEL_KEY", "deployment-key")
+    forged = _apply(sky, _spec("eval", infra="k8s/inference-prod", labels={**OWNER, **RUN}), at_client_side=False)
+    labels = _resources(forged).labels
+    assert not any(k.startswith("dagster-") for k in labels) and "gpudoor-signature" not in labels
+    assert labels["gpudoor-pool"] == "inference"  # the job itself is accepted
+
+    monkeypatch.setenv("GPUDOOR_LABEL_KEY", "deployment-key")
+    signed = _apply(sky, _spec("eval", infra="k8s/inference-prod", labels={**OWNER, **RUN}))  # the client's pass signs
+    kept = _resources(_apply(sky, signed.to_yaml_config(), at_client_side=False)).labels
+    assert kept["dagster-run-id"] == "0123abcd" and kept["gpudoor-signature"] == _resources(signed).labels["gpudoor-signature"]
+
+    # A signature copied onto other labels (another run's id) does not check out.
+    replayed = signed.to_yaml_config()
+    replayed["resources"]["labels"]["dagster-run-id"] = "ffffffff"
+    monkeypatch.delenv("GPUDOOR_LABEL_KEY")
+    dropped = _resources(_apply(sky, replayed, at_client_side=False)).labels
+    assert "dagster-run-id" not in dropped
+
+    # A server without the key trusts no claimed run at all.
+    monkeypatch.delenv("GPUDOOR_POLICY_LABEL_KEY")
+    assert "dagster-run-id" not in _resources(_apply(sky, signed.to_yaml_config(), at_client_side=False)).labels
+
+
+def test_the_server_names_the_user_whatever_the_task_says(sky):
+    """Who launched comes from SkyPilot's authenticated user, never from the task's own gpudoor-user label."""
+    from gpudoor_pipelines.launch.fleet import load_fleet
+    from gpudoor_pipelines.launch.policy import mutate_config
+
+    config = _spec("eval", infra="k8s/inference-prod", labels={**OWNER, "gpudoor-user": "someone-else"})
+    out = mutate_config(config, load_fleet(), user="alice", at_client_side=False)
+    assert out["resources"]["labels"]["gpudoor-user"] == "alice"
+
+
+def test_a_raw_task_with_skypilots_own_settings_is_not_refused_for_them(sky):
+    """SkyPilot's client adds its API server's URL to a task it sends; the server does not take it for a path."""
+    from gpudoor_pipelines.launch.fleet import load_fleet
+    from gpudoor_pipelines.launch.policy import mutate_config
+
+    config = _spec("eval", infra="k8s/inference-prod", labels=OWNER)
+    config["envs"] = {**(config.get("envs") or {}), "SKYPILOT_API_SERVER_ENDPOINT": "http://127.0.0.1:46580"}
+    out = mutate_config(config, load_fleet(), user="alice", at_client_side=False)
+    assert out["resources"]["labels"]["gpudoor-pool"] == "inference"
