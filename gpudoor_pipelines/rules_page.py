@@ -218,7 +218,7 @@ def _injected(fleet: Fleet) -> list[str]:
 
 def _priorities_autostop(fleet: Fleet) -> list[str]:
     from gpudoor_pipelines.launch.policy import INTERACTIVE_PREFIXES
-    from gpudoor_pipelines.launch.rules import PRIORITY_FIELD
+    from gpudoor_pipelines.launch.rules import LABEL_TTL, PRIORITY_FIELD
 
     out = ["## Priorities", ""]
     forced = [p for p in fleet.pools.values() if p.priority_class]
@@ -239,6 +239,7 @@ def _priorities_autostop(fleet: Fleet) -> list[str]:
     else:
         out += ["No pool forces a priority class.", ""]
     prefixes = ", ".join(f"`{p}…`" for p in INTERACTIVE_PREFIXES)
+    r = fleet.reconciler
     out += [
         "## Autostop and time to live",
         "",
@@ -247,7 +248,12 @@ def _priorities_autostop(fleet: Fleet) -> list[str]:
         "[What each pool can run](#what-each-pool-can-run)); a task's own `resources.autostop` is kept. Managed",
         "jobs end with their run.",
         "",
-        "No time to live is enforced yet; autostop applies.",
+        f"Busy or not, the orphan reconciler tears an interactive cluster down {r.interactive_ttl_hours:g} hours after",
+        f"its launch, or after the time to live its launch asked for (the demo's `ttl_hours`, a task's `{LABEL_TTL}`",
+        f"label), at most {r.max_interactive_ttl_hours:g} hours; asking for more is refused. A managed job or warm pool",
+        f"whose Dagster run has ended, or that names a run Dagster does not know, is released {r.grace_minutes:g} minutes",
+        "after; jobs launched outside Dagster are their owner's to stop."
+        + (" The reconciler is in dry run: it only says what it would release." if r.dry_run else ""),
         "",
     ]
     return out

@@ -184,7 +184,10 @@ EOF
 
 # ---------------------------------------------------------------- slurm
 step "slurm"
-for n in 0 1; do touch "$BED_DEV/l4-$n" "$BED_DEV/h200-$n"; done
+# Four H200s: the bed's h200 and inference pools (two GPUs each) share the partition, and the tests
+# that use one pool run side by side with those that use the other.
+for n in 0 1; do touch "$BED_DEV/l4-$n"; done
+for n in 0 1 2 3; do touch "$BED_DEV/h200-$n"; done
 chmod 666 "$BED_DEV"/*
 HOST_SHORT="$(hostname -s)"
 SLURM_CHANGED=0
@@ -223,7 +226,7 @@ JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 NodeName=bed-l4 NodeHostname=$HOST_SHORT NodeAddr=127.0.0.1 Port=6818 CPUs=16 RealMemory=64000 Gres=gpu:l4:2 State=UNKNOWN
-NodeName=bed-h200 NodeHostname=$HOST_SHORT NodeAddr=127.0.0.1 Port=6819 CPUs=16 RealMemory=64000 Gres=gpu:h200:2 State=UNKNOWN
+NodeName=bed-h200 NodeHostname=$HOST_SHORT NodeAddr=127.0.0.1 Port=6819 CPUs=16 RealMemory=64000 Gres=gpu:h200:4 State=UNKNOWN
 # Time limits keep SkyPilot from warning that jobs may wait behind reservations.
 PartitionName=onprem Nodes=bed-l4 Default=YES DefaultTime=04:00:00 MaxTime=1-00:00:00 State=UP
 PartitionName=h200 Nodes=bed-h200 DefaultTime=04:00:00 MaxTime=1-00:00:00 State=UP
@@ -233,7 +236,7 @@ write_if_changed "$SLURM_CONF_DIR/gres.conf" 644 <<EOF && SLURM_CHANGED=1
 # Written by gpudoor testbed/up.sh.
 AutoDetect=off
 NodeName=bed-l4 Name=gpu Type=l4 File=$BED_DEV/l4-[0-1]
-NodeName=bed-h200 Name=gpu Type=h200 File=$BED_DEV/h200-[0-1]
+NodeName=bed-h200 Name=gpu Type=h200 File=$BED_DEV/h200-[0-3]
 EOF
 if [[ -f "$SLURM_CONF_DIR/cgroup.conf" ]]; then
   mv "$SLURM_CONF_DIR/cgroup.conf" "$SLURM_CONF_DIR/cgroup.conf.disabled-by-testbed"
@@ -393,6 +396,13 @@ fi
 
 # ---------------------------------------------------------------- API server
 step "SkyPilot API server on $API_ENDPOINT"
+# The deployment's key for the run identity on jobs (gpudoor-signature): the launcher signs with it,
+# the server's policy keeps a job's dagster-* labels only when they are signed with it.
+LABEL_KEY_FILE="$STATE_DIR/label.key"
+if [[ ! -s "$LABEL_KEY_FILE" ]]; then
+  (umask 077 && head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$LABEL_KEY_FILE")
+fi
+LABEL_KEY="$(cat "$LABEL_KEY_FILE")"
 SERVER_ENV=(
   HOME="$BED_HOME"
   # down.sh finds the server's processes by this marker (job controllers run in their own sessions).
@@ -401,6 +411,7 @@ SERVER_ENV=(
   PYTHONPATH="$REPO_ROOT"
   # The admin policy (when enabled) applies the bed's fleet: pools on the bed's partitions.
   GPUDOOR_FLEET_FILE="$REPO_ROOT/testbed/fleet.yaml"
+  GPUDOOR_POLICY_LABEL_KEY="$LABEL_KEY"
   SKYPILOT_DISABLE_USAGE_COLLECTION=1
   # The consolidated controller launches clusters through the SDK against the *local* server
   # (SKYPILOT_API_SERVER_ENDPOINT cleared): tell it which port that is.
@@ -466,6 +477,7 @@ export GPUDOOR_TESTBED_INFRA_H200=$INFRA_H200
 export GPUDOOR_TESTBED_LOG_DIR=$BED_LOG
 export GPUDOOR_TESTBED_SERVER_HOME=$BED_HOME
 export GPUDOOR_TESTBED_ROOT=$BED_ROOT
+export GPUDOOR_LABEL_KEY=$LABEL_KEY
 EOF
 )"
 echo "$ENV_BODY" | write_if_changed "$STATE_DIR/env" 644 || true

@@ -23,6 +23,7 @@ def test_definitions_snapshot():
         "captioning_job",
         "eval_job",
         "merge_captions_job",
+        "release_held_gpus_job",
         "stop_demo_job",
     ]
     assert sorted(s.name for s in repo.schedule_defs) == [
@@ -30,7 +31,7 @@ def test_definitions_snapshot():
         "nightly_captioning_schedule",
         "weekly_gpu_usage_schedule",
     ]
-    assert sorted(s.name for s in repo.sensor_defs) == ["new_checkpoint_sensor"]
+    assert sorted(s.name for s in repo.sensor_defs) == ["new_checkpoint_sensor", "orphan_reconciler"]
     assert sorted(defs.resources) == ["io_manager", "skypilot", "transit"]
     checks = {c.name for c in defs.resolve_asset_graph().asset_check_keys}
     assert checks == {"accuracy_above_chance", "all_shards_captioned"}

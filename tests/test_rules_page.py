@@ -55,7 +55,7 @@ def test_page_is_computed_from_the_fleet(page, fleet_raw):
     assert "| `eval` | `inference` → `onprem` → `ondemand` |" in page
     assert "| `inference` | `research-preemptible` | yes |" in page
     assert "no: Opening ports is not supported in Slurm." in page  # SkyPilot's own table, per pool
-    assert "No time to live is enforced yet; autostop applies." in page
+    assert "tears an interactive cluster down 12 hours after" in page and "at most 72 hours" in page
     assert render_file() == page  # no timestamp: the same fleet gives the same bytes
 
 

@@ -1,5 +1,7 @@
 """Demo: the best checkpoint served on a ``lab-…`` cluster, its URL recorded."""
 
+import dataclasses
+
 import dagster as dg
 from pydantic import Field, field_validator
 
@@ -15,6 +17,10 @@ class DemoConfig(LaunchConfig):
 
     cluster_name: str = Field(
         default=DEFAULT_DEMO_CLUSTER, description="Cluster to serve on; demo clusters are named lab-…."
+    )
+    ttl_hours: float | None = Field(
+        default=None,
+        description="Hours until the orphan reconciler tears the demo down (default: the fleet's reconciler.interactive_ttl_hours).",
     )
 
     @field_validator("cluster_name")
@@ -35,6 +41,7 @@ def demo(
     """The best checkpoint behind an HTTP endpoint, for the product team to try; re-materializing replaces it."""
     inputs = {"CHECKPOINT_URI": best_checkpoint.uri}
     request = skypilot.request(context, "demo", inputs=inputs, config=config, cluster_name=config.cluster_name)
+    request = dataclasses.replace(request, ttl_hours=config.ttl_hours)
     service = skypilot.serve(context=context, request=request)
     return dg.MaterializeResult(
         metadata={

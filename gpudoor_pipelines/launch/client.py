@@ -28,9 +28,10 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from gpudoor_pipelines.launch.backends.base import FAILURE_MEANING, Backend, JobInfo, ResolvedJob
+from gpudoor_pipelines.launch.backends.base import FAILURE_MEANING, Backend, Holding, JobInfo, ResolvedJob
 from gpudoor_pipelines.launch.errors import JobFailed, LaunchConfigError
 from gpudoor_pipelines.launch.fleet import Fleet, load_fleet
+from gpudoor_pipelines.launch.release import ReleaseOutcome
 from gpudoor_pipelines.launch.request import LaunchRequest, resolve, slug
 from gpudoor_pipelines.launch.specs import TaskSpec, load_spec
 from gpudoor_pipelines.launch.watch import Backoff, StatusHub, status_hub
@@ -41,6 +42,7 @@ TAG_POOL = "gpudoor/pool"
 TAG_INFRA = "gpudoor/infra"
 TAG_COST_OWNER = "gpudoor/cost-owner"
 _TAG_JOB_PREFIX = "gpudoor/job-"
+_TAG_RELEASED_PREFIX = "gpudoor/released-"
 _UNSET: Any = object()
 
 
@@ -295,6 +297,22 @@ def _nothing_launched() -> Iterator[None]:
         raise dg.Failure(
             description=f"Nothing was launched. {e}", metadata={"file": e.source, "field": e.field}
         ) from None
+
+
+def report_unconfirmed(
+    instance: dg.DagsterInstance, run: dg.DagsterRun, outcome: ReleaseOutcome, step_key: str | None = None
+) -> None:
+    """An error event on ``run`` naming a holding whose release was not confirmed (the UI shows it in red)."""
+    from dagster._core.events import EngineEventData
+    from dagster._utils.error import SerializableErrorInfo
+
+    message = f"GPUs may still be held: {outcome.summary()}"
+    instance.report_engine_event(
+        message, run,
+        EngineEventData(metadata={"kind": outcome.holding.kind, "id": outcome.holding.id, "seen": "; ".join(outcome.seen)},
+                        error=SerializableErrorInfo(message, [], "ReleaseNotConfirmed")),
+        step_key=step_key,
+    )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=8)
@@ -592,17 +610,20 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
         return info
 
     def _cancel_and_wait(self, context: dg.AssetExecutionContext, backend: Backend, job_id: str) -> None:
-        backend.cancel(job_id)
-        deadline = time.time() + self.cancel_timeout_s
-        state = backend.status(job_id).state
-        while not state.is_terminal and time.time() < deadline:
-            time.sleep(self.poll_interval_s)
-            state = backend.status(job_id).state
-        if state.is_terminal:
-            context.log.warning(f"Job {job_id} is {state.value}.")
+        """Cancels the job and verifies the release (the job terminal, its cluster gone, its processes gone):
+        the verdict goes into the run's tags; a release not confirmed within ``cancel_timeout_s`` is an
+        error event naming the job (the orphan reconciler tries again once the run has ended)."""
+        from gpudoor_pipelines.launch.release import release_and_verify
+
+        (outcome,) = release_and_verify(backend, [Holding("job", job_id)], timeout_s=self.cancel_timeout_s,
+                                        poll_s=max(self.poll_interval_s, 1.0))  # fmt: skip
+        verdict = f"{'confirmed' if outcome.confirmed else 'NOT confirmed'} in {outcome.seconds:.0f} s"
+        context.instance.add_run_tags(context.run.run_id, {f"{_TAG_RELEASED_PREFIX}job-{job_id}": verdict})
+        if outcome.confirmed:
+            context.log.warning(outcome.summary())
         else:
-            context.log.error(
-                f"Job {job_id} still {state.value} after {self.cancel_timeout_s:.0f} s; check it by hand."
+            report_unconfirmed(
+                context.instance, context.run, outcome, step_key=context.get_step_execution_context().step.key
             )
 
     # ----------------------------------------------------------------- batches on warm pools

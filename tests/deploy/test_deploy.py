@@ -35,7 +35,7 @@ NAMESPACE = "dagster"
 CHART_DAGSTER_HOME = "/opt/dagster/dagster_home"
 #: The secret keys the run pods read as env (deploy/README.md creates them with these names).
 RUN_SECRET_KEYS = {
-    "gpudoor-skypilot": {"SKYPILOT_API_SERVER_ENDPOINT", "SKYPILOT_SERVICE_ACCOUNT_TOKEN"},
+    "gpudoor-skypilot": {"SKYPILOT_API_SERVER_ENDPOINT", "SKYPILOT_SERVICE_ACCOUNT_TOKEN", "GPUDOOR_LABEL_KEY"},
     "gpudoor-transit": {"GPUDOOR_S3_ACCESS_KEY_ID", "GPUDOOR_S3_SECRET_ACCESS_KEY"},
 }
 
@@ -595,7 +595,7 @@ def _readme_secrets() -> dict[str, set[str]]:
 def test_readme_creates_the_secrets_the_files_name(values, location):
     """The secrets deploy/README.md creates are the ones the files use, with the keys the code reads."""
     from gpudoor_pipelines.launch.fleet import load_fleet
-    from gpudoor_pipelines.launch.policy import SECRET_ENV_VARS, TRANSIT_ENV_VARS
+    from gpudoor_pipelines.launch.policy import LABEL_KEY_NAME, SECRET_ENV_VARS, TRANSIT_ENV_VARS
 
     secrets = _readme_secrets()
     for name, keys in RUN_SECRET_KEYS.items():
@@ -606,12 +606,14 @@ def test_readme_creates_the_secrets_the_files_name(values, location):
     assert set(location["container_context"]["k8s"]["env_secrets"]) <= set(secrets)
     # The API server's: what the policy reads as GPUDOOR_POLICY_<NAME>, and the database (the SkyPilot
     # chart's `dbConnectionSecretName` reads the key `connection_string`).
-    readable = {f"GPUDOOR_POLICY_{n}" for n in (*SECRET_ENV_VARS, *TRANSIT_ENV_VARS, *load_fleet().secrets)}
+    readable = {f"GPUDOOR_POLICY_{n}" for n in (*SECRET_ENV_VARS, *TRANSIT_ENV_VARS, *load_fleet().secrets, LABEL_KEY_NAME)}
     assert secrets["gpudoor-policy"] <= readable
     assert {"GPUDOOR_POLICY_AWS_ACCESS_KEY_ID", "GPUDOOR_POLICY_AWS_SECRET_ACCESS_KEY"} <= secrets[
         "gpudoor-policy"
     ]
     assert secrets["skypilot-db"] == {"connection_string"}
+    # Run identities on jobs are signed in the code location and checked on the server: one key, both sides.
+    assert "GPUDOOR_LABEL_KEY" in secrets["gpudoor-skypilot"] and "GPUDOOR_POLICY_LABEL_KEY" in secrets["gpudoor-policy"]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -48,6 +48,8 @@ class Record:
     job_duration: float | None = None
     task_id: int = 0
     user_yaml: str | None = None
+    pool: str | None = None
+    cluster_name_on_cloud: str | None = None
 
 
 class FakeSky:
@@ -78,9 +80,34 @@ class FakeSky:
         self.pools: list[dict] = []  # records as sky.jobs.pool_status returns them
         self.clusters: list[dict] = []  # records as sky.cost_report returns them (clusters, torn down or up)
         self.cost_report = lambda days=None: list(self.clusters)
+        self.up: list[dict] = []  # records as sky.status returns them (clusters up now)
+        self.requests: dict[str, int] = {}  # every request by name (queue_v2, pool_status, status, ...)
         self.jobs = types.SimpleNamespace(launch=self._launch, queue_v2=self._queue_v2, tail_logs=self._tail_logs, cancel=self._cancel,
-                                          pool_status=lambda names: [p for p in self.pools if names is None or p["name"] in names])  # fmt: skip
+                                          pool_status=self._pool_status, pool_down=self._pool_down)  # fmt: skip
         self.server = types.SimpleNamespace(common=types.SimpleNamespace(get_server_url=lambda: endpoint))
+
+    def _count(self, name: str) -> None:
+        self.requests[name] = self.requests.get(name, 0) + 1
+
+    def _pool_status(self, names: list[str] | None) -> list[dict]:
+        self._count("pool_status")
+        return [p for p in self.pools if names is None or p["name"] in names]
+
+    def _pool_down(self, name: str) -> None:
+        self._count("pool_down")
+        self.pools = [p for p in self.pools if p["name"] != name]
+
+    def status(self, cluster_names: list[str] | None = None, all_users: bool = False, **_: Any) -> list[dict]:
+        """``sky.status``: the clusters that are up."""
+        self._count("status")
+        return [c for c in self.up if cluster_names is None or c["name"] in cluster_names]
+
+    def down(self, cluster_name: str) -> None:
+        """``sky.down``: the cluster goes."""
+        self._count("down")
+        if not any(c["name"] == cluster_name for c in self.up):
+            raise self.exceptions.ClusterDoesNotExist(cluster_name)
+        self.up = [c for c in self.up if c["name"] != cluster_name]
 
     def get(self, request: Any) -> Any:
         """The SDK's requests return ids resolved by ``sky.get``; here they are the results themselves."""
@@ -104,6 +131,7 @@ class FakeSky:
     def _queue_v2(self, refresh=False, skip_finished=False, all_users=True, job_ids=None, limit=None, fields=None,
                   submitted_before=None, **filters):  # fmt: skip
         with self._lock:
+            self._count("queue_v2")
             self.queue_requests.append({"refresh": refresh, "skip_finished": skip_finished, "all_users": all_users,
                                         "job_ids": job_ids, "limit": limit, "fields": fields,
                                         "submitted_before": submitted_before, **filters})  # fmt: skip
@@ -138,6 +166,7 @@ class FakeSky:
 
     def _cancel(self, job_ids: list[int]) -> None:
         with self._lock:
+            self._count("cancel")
             for job_id in job_ids:
                 self.cancelled.append(job_id)
                 self.records[job_id].status = Status.CANCELLED

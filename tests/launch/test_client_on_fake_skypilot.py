@@ -75,11 +75,15 @@ def test_launch_records_one_typed_record_as_metadata(tmp_path, fake_sky):
 def test_termination_is_forwarded_to_the_job(tmp_path, fake_sky, forward):
     fake_sky.interrupt_after = 2
     fake_sky.interrupt = dg.DagsterExecutionInterruptedError()
-    result = dg.materialize([probe_asset], partition_key="shard-007", raise_on_error=False,
-                            resources={"skypilot": _client(tmp_path, fake_sky, forward_termination=forward)})  # fmt: skip
+    with dg.instance_for_test() as instance:
+        result = dg.materialize([probe_asset], partition_key="shard-007", raise_on_error=False, instance=instance,
+                                resources={"skypilot": _client(tmp_path, fake_sky, forward_termination=forward)})  # fmt: skip
+        tags = instance.get_run_by_id(result.run_id).tags
     assert not result.success
     assert fake_sky.cancelled == ([1] if forward else [])
     assert fake_sky.records[1].status is (Status.CANCELLED if forward else Status.RUNNING)
+    # The release is verified and recorded on the run: the job terminal, and no cluster of its name left.
+    assert tags.get("gpudoor/released-job-1", "").startswith("confirmed in") == forward
 
 
 def test_a_retried_step_reattaches_instead_of_launching_again(tmp_path, fake_sky):

@@ -358,3 +358,21 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     setattr(item, f"rep_{report.when}", report)
+
+
+@pytest.fixture
+def transit(s3_server):
+    """A fresh bucket of the S3 server on 127.0.0.1, with its own credentials, as the transit bucket."""
+    import uuid
+
+    import boto3
+
+    from gpudoor_pipelines.transit.resource import TransitBucketResource
+
+    name = f"bed-{uuid.uuid4().hex[:10]}"
+    secret = f"bed-secret-{uuid.uuid4().hex}"
+    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1", aws_access_key_id="bed-key",
+                 aws_secret_access_key=secret).create_bucket(Bucket=name)  # fmt: skip
+    return TransitBucketResource(
+        kind="s3", bucket=name, endpoint_url=s3_server, access_key_id="bed-key", secret_access_key=secret
+    )

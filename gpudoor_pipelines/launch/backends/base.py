@@ -182,6 +182,51 @@ class JobUsage:
         return 1.0 if life <= 0 else max(0.0, min(1.0, self.ran_s / life))
 
 
+@dataclasses.dataclass(frozen=True)
+class Holding:
+    """Something that holds GPUs (or may): an unfinished job, a warm pool, an interactive cluster.
+
+    Attributes:
+        kind: ``job``, ``pool`` (a warm pool's workers) or ``cluster`` (a ``lab-…``/``dev-…`` cluster).
+        id: the job id, the pool's name or the cluster's name.
+        labels: the door's labels on it (pool, user, cost owner, run identity).
+        since: when it was submitted (job), created or launched (UNIX seconds; None if unknown).
+        state: its state, as the backend names it.
+        name: the job's name (jobs).
+        scheduler_name: what the cluster's scheduler calls its allocation (a Slurm job name), if known.
+    """
+
+    kind: str
+    id: str
+    labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    since: float | None = None
+    state: str = ""
+    name: str = ""
+    scheduler_name: str = ""
+
+    @property
+    def key(self) -> str:
+        """``<kind>:<id>``: unique across kinds."""
+        return f"{self.kind}:{self.id}"
+
+    def describe(self) -> str:
+        """``job 42 (train-…)``, ``pool gpudoor-eval-…``, ``cluster lab-demo``."""
+        return f"{self.kind} {self.id}" + (f" ({self.name})" if self.name and self.name != self.id else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReleaseCheck:
+    """One look at whether a holding still holds anything.
+
+    Attributes:
+        released: nothing is held any more, as far as the backend can see.
+        seen: what was looked at and what it showed, in words (recorded with the release).
+    """
+
+    released: bool
+    seen: tuple[str, ...] = ()
+
+
 class LogFollower(abc.ABC):
     """Incremental reader of a job's log; lines come out once each, in order."""
 
@@ -306,3 +351,34 @@ class Backend(abc.ABC):
 
     def check(self) -> None:  # noqa: B027 - optional hook
         """Raises a clear error when the backend cannot be reached (before anything is submitted)."""
+    # ----------------------------------------------------------------- what is held, and its release
+    def holdings(self) -> list[Holding]:
+        """Every unfinished job, warm pool and interactive cluster the backend can see, with its labels
+        (the orphan reconciler's view: one listing per kind, whatever their number)."""
+        raise NotImplementedError(f"the {self.name} backend cannot list what it holds")
+
+    def release(self, holding: Holding) -> None:
+        """Asks for a holding to be given back: a job cancelled, a pool's workers released, a cluster torn
+        down (returns once asked; :meth:`check_released` says when it is done)."""
+        if holding.kind == "job":
+            self.cancel(holding.id)
+        elif holding.kind == "pool":
+            self.release_pool(holding.id)
+        elif holding.kind == "cluster":
+            self.stop_service(holding.id)
+        else:
+            raise ValueError(f"unknown holding kind '{holding.kind}'")
+
+    def check_released(self, holding: Holding) -> ReleaseCheck:
+        """Whether the holding still holds anything, looked at once (see the backends for what each sees)."""
+        if holding.kind == "job":
+            try:
+                state = self.status(holding.id).state
+            except KeyError:
+                return ReleaseCheck(True, (f"job {holding.id}: unknown to the {self.name} backend",))
+            return ReleaseCheck(state.is_terminal, (f"job {holding.id}: {state.value}",))
+        if holding.kind == "pool":
+            workers = self.pool_workers(holding.id)
+            return ReleaseCheck(workers == 0, (f"pool {holding.id}: {workers} workers",))
+        raise NotImplementedError(f"the {self.name} backend cannot check a {holding.kind}")
+

@@ -24,10 +24,12 @@ from pathlib import Path
 
 from gpudoor_pipelines.launch.backends.base import (
     Backend,
+    Holding,
     JobInfo,
     JobState,
     JobUsage,
     LogFollower,
+    ReleaseCheck,
     ResolvedJob,
     Service,
 )
@@ -261,6 +263,8 @@ class LocalBackend(Backend):
                 setup=job.config.get("setup"),
                 pool=job.pool,
                 user=job.labels.get(LABEL_USER, "unknown"),
+                labels=dict(job.labels),
+                created_at=current.get("created_at") or time.time(),
                 gpus_per_worker=sum(accelerators.values()),
                 cpus_per_worker=parse_cpus((job.config.get("resources") or {}).get("cpus")),
                 idle_timeout_s=self.pool_idle_timeout_s,
@@ -453,6 +457,76 @@ class LocalBackend(Backend):
                 )
             )  # fmt: skip
         return out
+
+    # ----------------------------------------------------------------- what is held, and its release
+    def holdings(self) -> list[Holding]:
+        """Unfinished jobs (a pool's ranks are its pool's), warm pools with a live supervisor, and services."""
+        out = []
+        services = set(self.clusters().values())
+        for job_dir in sorted(self.jobs_root.iterdir()) if self.jobs_root.is_dir() else ():
+            task = _read_json(job_dir / TASK_FILE)
+            if not task or task.get("worker_pool") or job_dir.name in services:
+                continue
+            info = self.status(job_dir.name)  # a runner that died without a verdict ends here
+            if info.state.is_terminal:
+                continue
+            labels = (task.get("config", {}).get("resources") or {}).get("labels") or {}
+            out.append(Holding("job", job_dir.name, labels=dict(labels), since=info.submitted_at,
+                               state=info.state.value, name=info.name))  # fmt: skip
+        pools_root = self.home / "worker_pools"
+        for pool_dir in sorted(pools_root.iterdir()) if pools_root.is_dir() else ():
+            if self._supervisor(pool_dir) is None:
+                continue
+            spec = _read_json(pool_dir / POOL_FILE)
+            out.append(Holding("pool", pool_dir.name, labels=dict(spec.get("labels") or {}),
+                               since=spec.get("created_at"), state="READY", name=pool_dir.name))  # fmt: skip
+        for cluster, job_id in sorted(self.clusters().items()):
+            state = read_state(self.job_dir(job_id))
+            task = _read_json(self.job_dir(job_id) / TASK_FILE)
+            labels = (task.get("config", {}).get("resources") or {}).get("labels") or {}
+            out.append(Holding("cluster", cluster, labels=dict(labels), since=state.get("submitted_at"),
+                               state=state.get("state", ""), name=cluster))  # fmt: skip
+        return out
+
+    def release(self, holding: Holding) -> None:
+        """As every backend does; a pool's running ranks are cancelled too (an orphan pool has nobody to wait for)."""
+        super().release(holding)
+        if holding.kind == "pool":
+            for job_id in self._pool_jobs(holding.id):
+                self.cancel(job_id)
+
+    def _pool_jobs(self, pool_name: str) -> list[str]:
+        """The pool's ranks that have not ended."""
+        out = []
+        for job_dir in self.jobs_root.iterdir() if self.jobs_root.is_dir() else ():
+            if _read_json(job_dir / TASK_FILE).get("worker_pool") != pool_name:
+                continue
+            if not JobState(read_state(job_dir).get("state", "PENDING")).is_terminal:
+                out.append(job_dir.name)
+        return out
+
+    def check_released(self, holding: Holding) -> ReleaseCheck:
+        """Local processes are the scheduler here: a job terminal and its process group gone; a pool's
+        supervisor and its ranks' process groups gone; a service's record gone (its job cancelled)."""
+        if holding.kind == "job":
+            base = super().check_released(holding)
+            pgid = self._runner(holding.id).get("pgid")
+            alive = bool(pgid) and _group_alive(int(pgid))
+            seen = (*base.seen, f"process group {pgid}: {'alive' if alive else 'gone'}" if pgid else "no process group")
+            return ReleaseCheck(base.released and not alive, seen)
+        if holding.kind == "pool":
+            supervisor = _read_json(self.pool_dir(holding.id) / SUPERVISOR_FILE).get("pid")
+            groups = [self._runner(j).get("pgid") for j in self._pool_jobs(holding.id)]
+            running = [g for g in groups if g and _group_alive(int(g))]
+            up = _alive(supervisor)
+            seen = (f"pool {holding.id}: supervisor {supervisor} {'alive' if up else 'gone'}, {len(running)} ranks running",)
+            return ReleaseCheck(not up and not running, seen)
+        if holding.kind == "cluster":
+            job_id = self.clusters().get(holding.id)
+            if job_id is None:
+                return ReleaseCheck(True, (f"cluster {holding.id}: no service record",))
+            return ReleaseCheck(False, (f"cluster {holding.id}: still serving job {job_id}",))
+        return super().check_released(holding)
 
     def start_service(self, job: ResolvedJob) -> Service:
         """Starts a service; any earlier service on the same cluster name is stopped first."""

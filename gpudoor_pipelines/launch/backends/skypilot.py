@@ -21,10 +21,12 @@ from typing import Any
 from gpudoor_pipelines.launch import sky_env
 from gpudoor_pipelines.launch.backends.base import (
     Backend,
+    Holding,
     JobInfo,
     JobState,
     JobUsage,
     LogFollower,
+    ReleaseCheck,
     ResolvedJob,
     Service,
 )
@@ -37,6 +39,10 @@ _QUEUE_FIELDS = [
     "job_id", "job_name", "status", "infra", "cloud", "region", "zone", "recovery_count", "submitted_at", "start_at",
     "end_at", "job_duration", "failure_reason", "details", "labels", "accelerators", "resources",
 ]  # fmt: skip
+# What the reconciler reads of every unfinished job: a pending job has no cluster yet, so its labels
+# come from the task it was launched with.
+_HOLDING_FIELDS = ["job_id", "job_name", "status", "labels", "submitted_at", "pool", "cluster_name_on_cloud",
+                   "task_id", "user_yaml"]  # fmt: skip
 # The history also reads the task each job was launched with: once a job's cluster is gone, the queue
 # no longer shows its labels nor its GPUs.
 _HISTORY_FIELDS = [*_QUEUE_FIELDS, "task_id", "user_yaml"]
@@ -527,6 +533,89 @@ class SkyPilotBackend(Backend):
             gpus = sum(parse_accelerators(resources.get("accelerators")).values())
             out.append((labels[LABEL_POOL], labels.get(LABEL_USER, "unknown"), workers * gpus, 0))
         return out
+
+    # ----------------------------------------------------------------- what is held, and its release
+    def holdings(self) -> list[Holding]:
+        """Three requests whatever the numbers: ``sky.jobs.queue_v2`` of every user's unfinished jobs (a
+        pool's jobs are its pool's), ``sky.jobs.pool_status`` of every warm pool, and ``sky.status`` of
+        every user's clusters (the ``lab-…``/``dev-…`` ones)."""
+        import yaml
+
+        from gpudoor_pipelines.launch.policy import INTERACTIVE_PREFIXES
+
+        sky = _sky()
+        records, *_ = self._read(
+            lambda: sky.jobs.queue_v2(refresh=False, skip_finished=True, all_users=True, fields=_HOLDING_FIELDS)
+        )
+        out = []
+        for r in records:
+            if r.pool or _state(r.status).is_terminal:
+                continue
+            labels = dict(r.labels or {})
+            if not labels:  # no cluster yet: the labels it was launched with
+                task = _launched_task(r.user_yaml, r.task_id)
+                resources = task.get("resources") if isinstance(task.get("resources"), dict) else {}
+                labels = {str(k): str(v) for k, v in (resources.get("labels") or {}).items()}
+            out.append(Holding("job", str(r.job_id), labels=labels, since=r.submitted_at, state=_state(r.status).value,
+                               name=r.job_name or "", scheduler_name=r.cluster_name_on_cloud or ""))  # fmt: skip
+        for record in self._read(lambda: sky.jobs.pool_status(None)) or ():
+            try:
+                resources = (yaml.safe_load(record.get("pool_yaml") or "") or {}).get("resources") or {}
+            except yaml.YAMLError:
+                resources = {}
+            labels = {str(k): str(v) for k, v in (resources.get("labels") or {}).items()}
+            status = str(getattr(record.get("status"), "value", record.get("status")))
+            out.append(Holding("pool", str(record.get("name")), labels=labels, state=status, name=str(record.get("name"))))
+        for record in self._read(lambda: sky.status(all_users=True)) or ():
+            name = str(record.get("name") or "")
+            if not name.startswith(INTERACTIVE_PREFIXES):
+                continue
+            handle = record.get("handle")
+            resources = getattr(handle, "launched_resources", None)
+            labels = {str(k): str(v) for k, v in (getattr(resources, "labels", None) or {}).items()}
+            status = record.get("status")
+            out.append(Holding("cluster", name, labels=labels, since=record.get("launched_at"),
+                               state=str(getattr(status, "value", status)), name=name,
+                               scheduler_name=str(getattr(handle, "cluster_name_on_cloud", "") or "")))  # fmt: skip
+        return out
+
+    def check_released(self, holding: Holding) -> ReleaseCheck:
+        """What the API server shows: a job terminal (SkyPilot's controller tears its cluster down before it
+        says CANCELLED) and no cluster of its name in ``sky.status``; a pool gone from ``sky.jobs.pool_status``;
+        a cluster gone from ``sky.status``. The SDK has no view of a scheduler's own queue (Slurm's ``squeue``)."""
+        if holding.kind == "job":
+            try:
+                record = self._record(int(holding.id))
+            except KeyError:
+                return ReleaseCheck(True, (f"job {holding.id}: unknown to the API server",))
+            state = _state(record.status)
+            seen = [f"job {holding.id}: {state.value}"]
+            if not state.is_terminal:
+                return ReleaseCheck(False, tuple(seen))
+            from sky.jobs.utils import generate_managed_job_cluster_name
+
+            cluster = generate_managed_job_cluster_name(record.job_name or holding.name or "job", int(holding.id))
+            left = self._clusters([cluster])
+            seen.append(f"sky.status: cluster {cluster} {left[0]}" if left else f"sky.status: no cluster {cluster}")
+            return ReleaseCheck(not left, tuple(seen))
+        if holding.kind == "pool":
+            record = self._pool(holding.id)
+            if record is None:
+                return ReleaseCheck(True, (f"pool {holding.id}: gone from sky.jobs.pool_status",))
+            status = str(getattr(record.get("status"), "value", record.get("status")))
+            return ReleaseCheck(False, (f"pool {holding.id}: {status}",))
+        if holding.kind == "cluster":
+            left = self._clusters([holding.id])
+            if left:
+                return ReleaseCheck(False, (f"sky.status: cluster {holding.id} {left[0]}",))
+            return ReleaseCheck(True, (f"sky.status: no cluster {holding.id}",))
+        return super().check_released(holding)
+
+    def _clusters(self, names: list[str]) -> list[str]:
+        """The states of those of ``names`` that ``sky.status`` lists (any user's)."""
+        sky = _sky()
+        records = self._read(lambda: sky.status(cluster_names=names, all_users=True)) or ()
+        return [str(getattr(r.get("status"), "value", r.get("status"))) for r in records]
 
     # ----------------------------------------------------------------- services (demos)
     def start_service(self, job: ResolvedJob) -> Service:

@@ -1,0 +1,206 @@
+"""The orphan reconciler: a sensor that finds GPUs nobody is waiting for, and a job that releases them.
+
+Each tick lists what the backend holds (on SkyPilot: three requests, whatever the number of jobs),
+asks the Dagster instance about the runs those holdings name (one query per 500 runs), and judges with
+:func:`gpudoor_pipelines.reconcile.plan_releases`. What to release goes to one run of
+``release_held_gpus``, which asks for each release and then *verifies* it
+(:func:`gpudoor_pipelines.launch.release.release_and_verify`): the run's metadata lists what was
+released and what was seen; a release not confirmed within the bound fails the run with an error
+event naming the job. The run that launched the holding gets a ``gpudoor/released-…`` tag saying so.
+
+Restarts are harmless: the cursor remembers when each holding was first seen and when its release was
+asked (a release asked is not asked again until its bound has passed), and each run has a run key made
+of what it releases, so a tick that Dagster resumes launches nothing twice. With ``dry_run`` in the
+fleet's ``reconciler`` section, a tick says what it would release and releases nothing.
+"""
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Sequence
+
+import dagster as dg
+from pydantic import Field
+
+from gpudoor_pipelines.k8s import cpu_step_tags
+from gpudoor_pipelines.launch.backends.base import Holding
+from gpudoor_pipelines.launch.client import PipesSkyPilotClient, report_unconfirmed
+from gpudoor_pipelines.launch.fleet import ReconcilerPolicy
+from gpudoor_pipelines.launch.release import ReleaseOutcome, release_and_verify
+from gpudoor_pipelines.launch.rules import LABEL_KEY_ENV, deployment_name
+from gpudoor_pipelines.reconcile import Release, RunFacts, claimed_run, named_runs, plan_releases
+
+#: Tag on the reconciler's own runs.
+RECONCILER_TAG = "gpudoor/reconciler"
+#: Prefix of the tag the reconciler leaves on the run that launched what it released.
+RELEASED_TAG_PREFIX = "gpudoor/released-"
+_RUNS_PER_QUERY = 500
+
+
+class HeldConfig(dg.Config):
+    """One holding to release (as the sensor saw it)."""
+
+    kind: str = Field(description="job, pool or cluster")
+    id: str = Field(description="job id, pool name or cluster name")
+    name: str = ""
+    labels: dict[str, str] = Field(default_factory=dict)
+    reason: str = ""
+
+
+class ReleaseConfig(dg.Config):
+    """What ``release_held_gpus`` releases."""
+
+    releases: list[HeldConfig] = Field(default_factory=list)
+
+
+def run_facts(instance: dg.DagsterInstance, run_ids: Sequence[str]) -> dict[str, RunFacts]:
+    """The facts of the runs the instance knows among ``run_ids`` (one query per 500 runs)."""
+    out: dict[str, RunFacts] = {}
+    for i in range(0, len(run_ids), _RUNS_PER_QUERY):
+        chunk = list(run_ids[i : i + _RUNS_PER_QUERY])
+        for record in instance.get_run_records(filters=dg.RunsFilter(run_ids=chunk), limit=len(chunk)):
+            run = record.dagster_run
+            ended = record.end_time if record.end_time is not None else None
+            out[run.run_id] = RunFacts.from_tags(run.status.value, ended, run.tags)
+    return out
+
+
+def label_key() -> str | None:
+    """The deployment's key for signed run identities (``GPUDOOR_LABEL_KEY``), if set."""
+    return os.environ.get(LABEL_KEY_ENV) or None
+
+
+def reconcile_tick(
+    instance: dg.DagsterInstance, skypilot: PipesSkyPilotClient, cursor: dict, now: float
+) -> tuple[list[Release], list[Release], dict]:
+    """One tick's judgement: (to release now, judged but asked already, the new cursor)."""
+    policy = skypilot.get_fleet().reconciler
+    backend = skypilot.get_backend()
+    holdings = backend.holdings()
+    key = label_key()
+    keys = {h.key for h in holdings}
+    first_seen = {k: v for k, v in (cursor.get("first_seen") or {}).items() if k in keys}
+    for h in holdings:
+        first_seen.setdefault(h.key, now)
+    runs = run_facts(instance, named_runs(holdings, key))
+    judged = plan_releases(holdings, runs, now=now, policy=policy, first_seen=first_seen, label_key=key,
+                           deployment=deployment_name())  # fmt: skip
+    retry_s = retry_after_s(policy)
+    asked = {k: v for k, v in (cursor.get("asked") or {}).items() if k in keys and now - v < retry_s}
+    fresh = [r for r in judged if r.holding.key not in asked]
+    waiting = [r for r in judged if r.holding.key in asked]
+    if not policy.dry_run:
+        asked.update({r.holding.key: now for r in fresh})
+    return fresh, waiting, {"first_seen": first_seen, "asked": asked}
+
+
+def retry_after_s(policy: ReconcilerPolicy) -> float:
+    """How long after asking for a release the reconciler asks again (its bound, and five minutes)."""
+    return policy.release_timeout_minutes * 60.0 + 300.0
+
+
+def run_request(releases: Sequence[Release], now: float, retry_s: float) -> dg.RunRequest:
+    """One run releasing ``releases``; keyed by what it releases (and the retry window it falls in)."""
+    keys = sorted(r.holding.key for r in releases)
+    digest = hashlib.sha256("\n".join(keys).encode()).hexdigest()[:16]
+    config = ReleaseConfig(releases=[HeldConfig(kind=r.holding.kind, id=r.holding.id, name=r.holding.name,
+                                                labels=dict(r.holding.labels), reason=r.reason) for r in releases])  # fmt: skip
+    return dg.RunRequest(
+        run_key=f"release-{digest}-{int(now // retry_s)}",
+        run_config={"ops": {"release_held_gpus": {"config": config.model_dump()}}},
+        tags={RECONCILER_TAG: "release"},
+    )
+
+
+@dg.op(tags=cpu_step_tags("250m", "512Mi"))
+def release_held_gpus(
+    context: dg.OpExecutionContext, config: ReleaseConfig, skypilot: PipesSkyPilotClient
+) -> dg.Output[list[dict]]:
+    """Releases what the reconciler found, verifies each release, and records what it saw.
+
+    Raises:
+        dagster.Failure: a release was not confirmed within the fleet's ``release_timeout_minutes``.
+    """
+    policy = skypilot.get_fleet().reconciler
+    backend = skypilot.get_backend()
+    holdings = [Holding(h.kind, h.id, labels=h.labels, name=h.name) for h in config.releases]
+    reasons = {f"{h.kind}:{h.id}": h.reason for h in config.releases}
+    for h in holdings:
+        context.log.warning(f"Releasing {h.describe()}: {reasons[h.key]}.")
+    outcomes = release_and_verify(backend, holdings, timeout_s=policy.release_timeout_minutes * 60.0)
+    _record_on_owners(context, outcomes)
+    unconfirmed = [o for o in outcomes if not o.confirmed]
+    for o in outcomes:
+        if o.confirmed:
+            context.log.info(o.summary())
+        else:
+            report_unconfirmed(context.instance, context.run, o)
+    records = [{**o.to_record(), "reason": reasons[o.holding.key]} for o in outcomes]
+    metadata = {
+        "released": len(outcomes) - len(unconfirmed),
+        "not_confirmed": len(unconfirmed),
+        "releases": dg.MetadataValue.md(_table(records)),
+    }
+    if unconfirmed:
+        raise dg.Failure(
+            description="Release not confirmed: " + "; ".join(o.summary() for o in unconfirmed),
+            metadata={**metadata, "not_confirmed_ids": ", ".join(o.holding.key for o in unconfirmed)},
+        )
+    return dg.Output(records, metadata=metadata)
+
+
+def _record_on_owners(context: dg.OpExecutionContext, outcomes: Sequence[ReleaseOutcome]) -> None:
+    """Tags the run that launched each released holding with what the reconciler did about it."""
+    for o in outcomes:
+        run_id = claimed_run(o.holding, label_key())
+        if not run_id or context.instance.get_run_by_id(run_id) is None:
+            continue
+        verdict = f"{'confirmed' if o.confirmed else 'NOT confirmed'} in {o.seconds:.0f} s by run {context.run_id[:8]}"
+        context.instance.add_run_tags(
+            run_id, {f"{RELEASED_TAG_PREFIX}{o.holding.kind}-{o.holding.id}"[:255]: verdict}
+        )
+
+
+def _table(records: Sequence[dict]) -> str:
+    lines = ["| what | id | released | seconds | why | seen |", "|---|---|---|---|---|---|"]
+    for r in records:
+        lines.append(f"| {r['kind']} | {r['id']} | {'yes' if r['confirmed'] else '**NOT CONFIRMED**'} | {r['seconds']} "
+                     f"| {r['reason']} | {'; '.join(r['seen'])} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+@dg.job(
+    tags={RECONCILER_TAG: "release"},
+    description="Release GPUs the orphan reconciler found, and verify each release.",
+)
+def release_held_gpus_job() -> None:
+    release_held_gpus()
+
+
+@dg.sensor(
+    job=release_held_gpus_job, minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.RUNNING
+)
+def orphan_reconciler(context: dg.SensorEvaluationContext, skypilot: PipesSkyPilotClient) -> dg.SensorResult:
+    """Releases jobs and warm pools whose Dagster run has ended or is unknown, and interactive clusters past
+    their time to live (see the module docstring)."""
+    cursor = json.loads(context.cursor) if context.cursor else {}
+    now = time.time()
+    policy = skypilot.get_fleet().reconciler
+    fresh, waiting, new_cursor = reconcile_tick(context.instance, skypilot, cursor, now)
+    cursor_text = json.dumps(new_cursor, separators=(",", ":"))
+    for r in waiting:
+        context.log.info(f"{r.holding.describe()}: release already asked ({r.reason})")
+    if policy.dry_run:
+        lines = [f"{r.holding.describe()}: {r.reason}" for r in fresh]
+        for line in lines:
+            context.log.info(f"dry run: would release {line}")
+        said = (
+            f"dry run: would release {len(lines)}: " + "; ".join(lines)
+            if lines
+            else "dry run: nothing to release"
+        )
+        return dg.SensorResult(skip_reason=said, cursor=cursor_text)
+    if not fresh:
+        return dg.SensorResult(skip_reason="nothing to release", cursor=cursor_text)
+    return dg.SensorResult(run_requests=[run_request(fresh, now, retry_after_s(policy))], cursor=cursor_text)

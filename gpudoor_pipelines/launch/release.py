@@ -1,0 +1,97 @@
+"""Verified release: a job cancelled, a pool or a cluster given back, and then *seen* to hold nothing.
+
+A cancel request is not a release. After asking, :func:`release_and_verify` looks at every holding
+until the backend shows nothing held (the job terminal and its cluster gone, the pool gone, the
+process group gone on the local backend) or until the bound passes; the outcome says what was looked
+at, so a run's record shows why the GPUs are known to be free, and a release that was not confirmed
+is an error with the job id, not a line in a log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gpudoor_pipelines.launch.backends.base import Backend, Holding, ReleaseCheck
+
+
+@dataclasses.dataclass(frozen=True)
+class ReleaseOutcome:
+    """How the release of one holding went.
+
+    Attributes:
+        holding: what was released.
+        confirmed: the backend showed nothing held within the bound.
+        seconds: from the request to the confirmation (or to the bound).
+        seen: what the last look saw, in words.
+        error: the release request's own error, if it failed.
+    """
+
+    holding: Holding
+    confirmed: bool
+    seconds: float
+    seen: tuple[str, ...] = ()
+    error: str = ""
+
+    def summary(self) -> str:
+        """One line: what, confirmed or not, in how long, and what was seen."""
+        verdict = (
+            f"released, confirmed in {self.seconds:.0f} s"
+            if self.confirmed
+            else f"NOT confirmed released after {self.seconds:.0f} s"
+        )
+        extra = f"; the request failed: {self.error}" if self.error else ""
+        return f"{self.holding.describe()}: {verdict} ({'; '.join(self.seen)}){extra}"
+
+    def to_record(self) -> dict[str, Any]:
+        """The outcome as plain data (run metadata, JSON)."""
+        return {"kind": self.holding.kind, "id": self.holding.id, "name": self.holding.name,
+                "confirmed": self.confirmed, "seconds": round(self.seconds, 1), "seen": list(self.seen),
+                **({"error": self.error} if self.error else {})}  # fmt: skip
+
+
+def release_and_verify(
+    backend: Backend,
+    holdings: Sequence[Holding],
+    *,
+    timeout_s: float,
+    poll_s: float = 2.0,
+    ask: bool = True,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> list[ReleaseOutcome]:
+    """Asks for each holding to be released (``ask=False``: the caller already did), then looks at those
+    not yet confirmed every ``poll_s`` until each shows nothing held or ``timeout_s`` has passed.
+
+    Returns one outcome per holding, in order. A failed request is recorded, and the holding is still
+    looked at (it may have been released by someone else).
+    """
+    start = clock()
+    errors: dict[str, str] = {}
+    if ask:
+        for h in holdings:
+            try:
+                backend.release(h)
+            except Exception as e:  # noqa: BLE001 - recorded with the outcome; the look below decides
+                errors[h.key] = f"{type(e).__name__}: {e}"
+    pending = {h.key: h for h in holdings}
+    done: dict[str, ReleaseOutcome] = {}
+    last: dict[str, ReleaseCheck] = {}
+    while True:
+        for key, h in list(pending.items()):
+            try:
+                check = backend.check_released(h)
+            except Exception as e:  # noqa: BLE001 - an unreadable state is not a confirmation
+                check = ReleaseCheck(False, (f"could not look: {type(e).__name__}: {e}",))
+            last[key] = check
+            if check.released:
+                done[key] = ReleaseOutcome(h, True, clock() - start, check.seen, errors.get(key, ""))
+                del pending[key]
+        if not pending or clock() - start >= timeout_s:
+            break
+        sleep(min(poll_s, max(0.0, timeout_s - (clock() - start))))
+    for key, h in pending.items():
+        done[key] = ReleaseOutcome(h, False, clock() - start, last[key].seen, errors.get(key, ""))
+    return [done[h.key] for h in holdings]
