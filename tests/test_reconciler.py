@@ -259,3 +259,43 @@ def test_on_skypilot_a_confirmed_release_names_what_was_seen(tmp_path, fake_sky)
     assert seen["gpudoor-eval-1"] == ["pool gpudoor-eval-1: gone from sky.jobs.pool_status"]
     assert seen["lab-demo"] == ["sky.status: no cluster lab-demo"]
     assert json.dumps(seen)  # plain data, as the run's metadata holds it
+
+
+# ------------------------------------------------------------------ a terminated batch is released, verified
+def test_a_terminated_batch_has_its_jobs_and_warm_pool_released_and_verified(tmp_path, monkeypatch):
+    """A run terminated while a batch runs on a warm pool: every rank is cancelled, the pool given back, and
+    both are seen released (no supervisor, no rank's processes) and recorded on the run."""
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    (specs / "caption.yaml").write_text(yaml.safe_dump({"name": "batch", "resources": {"accelerators": "L4:1"},
+                                                        "run": "echo rank-started; sleep 600"}))  # fmt: skip
+    client = PipesSkyPilotClient(local_home=str(tmp_path / "home"), specs_dir=str(specs), poll_interval_s=0.1,
+                                 transit=TransitBucketResource(local_root=str(tmp_path / "transit")))  # fmt: skip
+    calls = {"n": 0}
+    real = LocalBackend.statuses
+
+    def interrupted_once_running(self, job_ids):
+        infos = real(self, job_ids)
+        if any(i.state.value == "RUNNING" for i in infos.values()):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise dg.DagsterExecutionInterruptedError()
+        return infos
+
+    monkeypatch.setattr(LocalBackend, "statuses", interrupted_once_running)
+
+    @dg.asset
+    def batch(context: dg.AssetExecutionContext, skypilot: PipesSkyPilotClient) -> None:
+        skypilot.run_batch(context=context, request=skypilot.request(context, "caption"), num_jobs=2, workers=2,
+                           pool_name="gpudoor-test-pool", prepare=lambda envs: {}, on_message=lambda m: None)  # fmt: skip
+
+    with dg.instance_for_test() as instance:
+        result = dg.materialize([batch], instance=instance, resources={"skypilot": client}, raise_on_error=False)
+        tags = instance.get_run_by_id(result.run_id).tags
+    assert not result.success
+    released = {k: v for k, v in tags.items() if k.startswith("gpudoor/released-")}
+    assert released["gpudoor/released-pool-gpudoor-test-pool"].startswith("confirmed in")
+    assert sum(k.startswith("gpudoor/released-job-") for k in released) == 2, released
+    assert all(v.startswith("confirmed in") for v in released.values())
+    backend = client.get_backend()
+    assert backend.pool_workers("gpudoor-test-pool") == 0

@@ -610,21 +610,26 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
         return info
 
     def _cancel_and_wait(self, context: dg.AssetExecutionContext, backend: Backend, job_id: str) -> None:
-        """Cancels the job and verifies the release (the job terminal, its cluster gone, its processes gone):
-        the verdict goes into the run's tags; a release not confirmed within ``cancel_timeout_s`` is an
-        error event naming the job (the orphan reconciler tries again once the run has ended)."""
+        """Cancels the job and verifies the release (see :meth:`_release_verified`)."""
+        self._release_verified(context, backend, [Holding("job", job_id)])
+
+    def _release_verified(self, context: dg.AssetExecutionContext, backend: Backend, holdings: list[Holding]) -> None:
+        """Releases jobs (or a warm pool) and looks until nothing is held (the job terminal, its cluster gone,
+        its processes gone): each verdict goes into the run's tags; a release not confirmed within
+        ``cancel_timeout_s`` is an error event naming it (the orphan reconciler tries again once the run has ended)."""
         from gpudoor_pipelines.launch.release import release_and_verify
 
-        (outcome,) = release_and_verify(backend, [Holding("job", job_id)], timeout_s=self.cancel_timeout_s,
-                                        poll_s=max(self.poll_interval_s, 1.0))  # fmt: skip
-        verdict = f"{'confirmed' if outcome.confirmed else 'NOT confirmed'} in {outcome.seconds:.0f} s"
-        context.instance.add_run_tags(context.run.run_id, {f"{_TAG_RELEASED_PREFIX}job-{job_id}": verdict})
-        if outcome.confirmed:
-            context.log.warning(outcome.summary())
-        else:
-            report_unconfirmed(
-                context.instance, context.run, outcome, step_key=context.get_step_execution_context().step.key
-            )
+        outcomes = release_and_verify(backend, holdings, timeout_s=self.cancel_timeout_s, poll_s=max(self.poll_interval_s, 1.0))
+        context.instance.add_run_tags(context.run.run_id, {
+            f"{_TAG_RELEASED_PREFIX}{o.holding.kind}-{o.holding.id}"[:255]: f"{'confirmed' if o.confirmed else 'NOT confirmed'} in {o.seconds:.0f} s"
+            for o in outcomes
+        })  # fmt: skip
+        step_key = context.get_step_execution_context().step.key
+        for outcome in outcomes:
+            if outcome.confirmed:
+                context.log.warning(outcome.summary())
+            else:
+                report_unconfirmed(context.instance, context.run, outcome, step_key=step_key)
 
     # ----------------------------------------------------------------- batches on warm pools
     def plan_batch(self, request: LaunchRequest, *, pool_name: str, max_workers: int | None = None) -> BatchPlan:
@@ -755,10 +760,8 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
             except (dg.DagsterExecutionInterruptedError, KeyboardInterrupt):
                 if self.forward_termination:
                     context.log.warning(f"Run terminated: cancelling the {len(job_ids)} jobs on pool {pool_name}.")
-                    for job_id in job_ids:
-                        if job_id not in infos or not infos[job_id].state.is_terminal:
-                            backend.cancel(job_id)
-                    backend.release_pool(pool_name)
+                    live = [Holding("job", i) for i in job_ids if i not in infos or not infos[i].state.is_terminal]
+                    self._release_verified(context, backend, [*live, Holding("pool", pool_name)])
                 raise
             finally:
                 logs.close()
