@@ -498,7 +498,7 @@ fi
 
 FAILED_STEP=""
 log "test bed up in $((SECONDS - T0)) s; logs in $BED_LOG; env in $STATE_DIR/env"
-echo "$ENV_BODY"
+echo "$ENV_BODY" | sed 's/^export GPUDOOR_LABEL_KEY=.*/export GPUDOOR_LABEL_KEY=****  # in the env file/'  # never the key in a log
 }
 
 main "$@"

@@ -29,9 +29,10 @@ from tests.slurm.test_client_on_slurm import BED_FLEET, REPO_ROOT, _managed, _sp
 
 pytestmark = pytest.mark.slurm
 
-#: How long after the run is known dead its GPU must be free on Slurm (a reconciler tick, the cancel,
-#: SkyPilot tearing the Slurm allocation down).
-RELEASE_BOUND_S = 180.0
+#: How long after the run is known dead its GPU must be free on Slurm: a reconciler tick, the cancel, and
+#: SkyPilot tearing the Slurm allocation down. Measured on the 2-core bed: 69 s alone, up to 274 s while
+#: the whole test suite loads the machine.
+RELEASE_BOUND_S = 300.0
 
 
 def _allocated(queue: list[dict], scheduler_name: str) -> bool:
@@ -61,7 +62,7 @@ class _Worker:
             transit = TransitBucketResource.model_validate_json({transit.model_dump_json()!r})
             class Bed:
                 api_endpoint = {testbed.api_endpoint!r}
-            # On the bed's h200 pool: the other Slurm tests (run side by side) use onprem and inference.
+            # On the bed's h200 pool: the other Slurm tests use onprem and inference.
             dg.materialize([_probe_asset({name!r})], instance=dg.DagsterInstance.get(),
                            run_config={{"ops": {{{name!r}: {{"config": {{"pool": "h200"}}}}}}}},
                            resources={{"skypilot": _resource(Bed, transit, Path({str(specs)!r}))}})
@@ -86,7 +87,7 @@ class _Worker:
 
 
 def test_a_terminated_run_and_a_killed_run_worker_leave_no_gpu_held(testbed, transit, tmp_path, slurm_queue, monkeypatch):
-    # This test's jobs are its own deployment's: the reconciler leaves other tests' jobs on the shared bed alone.
+    # This test's jobs are its own deployment's: the reconciler leaves any other job on the shared bed alone.
     monkeypatch.setenv("GPUDOOR_DEPLOYMENT", f"reconcile-test-{os.getpid()}")
     specs = _spec_dir(tmp_path, "echo bed-long-job-started; sleep 600")
     instance = dg.DagsterInstance.get()  # the test's own DAGSTER_HOME, shared with the workers
