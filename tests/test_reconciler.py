@@ -228,6 +228,18 @@ def test_on_skypilot_a_tick_is_three_listings_whatever_the_number_of_jobs(tmp_pa
     assert len(ids) == 301 and "gpudoor-eval-0000" in ids and "lab-demo" not in ids
 
 
+def test_on_skypilot_releasing_300_jobs_is_one_cancel_and_two_requests_per_look(tmp_path, fake_sky):
+    for i in range(1, 301):
+        fake_sky.add_job(i, Status.RUNNING, {**DOOR, "dagster-run-id": "gone"})
+    config = {"releases": [{"kind": "job", "id": str(i)} for i in range(1, 301)]}
+    with dg.instance_for_test() as instance:
+        result = release_held_gpus_job.execute_in_process(run_config={"ops": {"release_held_gpus": {"config": config}}},
+                                                          instance=instance, resources={"skypilot": _sky_client(tmp_path)})  # fmt: skip
+    assert all(r["confirmed"] for r in result.output_for_node("release_held_gpus"))
+    # One cancel for all, then one look: one queue_v2 for the states, one sky.status for their clusters.
+    assert fake_sky.requests == {"cancel": 1, "queue_v2": 1, "status": 1}
+
+
 def test_on_skypilot_a_release_that_is_not_confirmed_fails_the_run_with_an_error_event(tmp_path, fake_sky):
     fake_sky.add_job(1, Status.RUNNING, {**DOOR, "dagster-run-id": "gone"})
     fake_sky.add_job(2, Status.RUNNING, {**DOOR, "dagster-run-id": "gone"})

@@ -61,8 +61,7 @@ def run_facts(instance: dg.DagsterInstance, run_ids: Sequence[str]) -> dict[str,
         chunk = list(run_ids[i : i + _RUNS_PER_QUERY])
         for record in instance.get_run_records(filters=dg.RunsFilter(run_ids=chunk), limit=len(chunk)):
             run = record.dagster_run
-            ended = record.end_time if record.end_time is not None else None
-            out[run.run_id] = RunFacts.from_tags(run.status.value, ended, run.tags)
+            out[run.run_id] = RunFacts.from_tags(run.status.value, record.end_time, run.tags)
     return out
 
 

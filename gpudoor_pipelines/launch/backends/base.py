@@ -369,6 +369,28 @@ class Backend(abc.ABC):
         else:
             raise ValueError(f"unknown holding kind '{holding.kind}'")
 
+    def release_all(self, holdings: Sequence[Holding]) -> dict[str, str]:
+        """Asks for every holding to be released (:meth:`release`); returns the errors by holding key. A
+        backend whose server takes many at once asks in one request."""
+        errors = {}
+        for h in holdings:
+            try:
+                self.release(h)
+            except Exception as e:  # noqa: BLE001 - recorded with the release; the look afterwards decides
+                errors[h.key] = f"{type(e).__name__}: {e}"
+        return errors
+
+    def check_released_all(self, holdings: Sequence[Holding]) -> dict[str, ReleaseCheck]:
+        """:meth:`check_released` of every holding, by key (one look at each; a backend whose server answers
+        for many at once asks in one request)."""
+        out = {}
+        for h in holdings:
+            try:
+                out[h.key] = self.check_released(h)
+            except Exception as e:  # noqa: BLE001 - an unreadable state is not a confirmation
+                out[h.key] = ReleaseCheck(False, (f"could not look: {type(e).__name__}: {e}",))
+        return out
+
     def check_released(self, holding: Holding) -> ReleaseCheck:
         """Whether the holding still holds anything, looked at once (see the backends for what each sees)."""
         if holding.kind == "job":

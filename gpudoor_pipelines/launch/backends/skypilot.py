@@ -596,8 +596,8 @@ class SkyPilotBackend(Backend):
 
             cluster = generate_managed_job_cluster_name(record.job_name or holding.name or "job", int(holding.id))
             left = self._clusters([cluster])
-            seen.append(f"sky.status: cluster {cluster} {left[0]}" if left else f"sky.status: no cluster {cluster}")
-            return ReleaseCheck(not left, tuple(seen))
+            seen.append(f"sky.status: cluster {cluster} {left[cluster]}" if cluster in left else f"sky.status: no cluster {cluster}")
+            return ReleaseCheck(cluster not in left, tuple(seen))
         if holding.kind == "pool":
             record = self._pool(holding.id)
             if record is None:
@@ -606,16 +606,54 @@ class SkyPilotBackend(Backend):
             return ReleaseCheck(False, (f"pool {holding.id}: {status}",))
         if holding.kind == "cluster":
             left = self._clusters([holding.id])
-            if left:
-                return ReleaseCheck(False, (f"sky.status: cluster {holding.id} {left[0]}",))
+            if holding.id in left:
+                return ReleaseCheck(False, (f"sky.status: cluster {holding.id} {left[holding.id]}",))
             return ReleaseCheck(True, (f"sky.status: no cluster {holding.id}",))
         return super().check_released(holding)
 
-    def _clusters(self, names: list[str]) -> list[str]:
-        """The states of those of ``names`` that ``sky.status`` lists (any user's)."""
+    def release_all(self, holdings: Sequence[Holding]) -> dict[str, str]:
+        """Every job in one ``sky.jobs.cancel``; pools and clusters one by one (there are few)."""
+        jobs = [h for h in holdings if h.kind == "job"]
+        errors = super().release_all([h for h in holdings if h.kind != "job"])
+        if jobs:
+            sky = _sky()
+            try:
+                sky.get(sky.jobs.cancel(job_ids=[int(h.id) for h in jobs]))
+            except Exception as e:  # noqa: BLE001 - recorded with each release; the look afterwards decides
+                errors.update({h.key: f"{type(e).__name__}: {e}" for h in jobs})
+            self._forget_usage()
+        return errors
+
+    def check_released_all(self, holdings: Sequence[Holding]) -> dict[str, ReleaseCheck]:
+        """Every job's state from one ``sky.jobs.queue_v2`` and the ended ones' clusters from one
+        ``sky.status``; pools and clusters one by one (there are few)."""
+        jobs = [h for h in holdings if h.kind == "job"]
+        out = super().check_released_all([h for h in holdings if h.kind != "job"])
+        if not jobs:
+            return out
+        from sky.jobs.utils import generate_managed_job_cluster_name
+
+        infos = self.statuses([h.id for h in jobs])
+        clusters = {h.key: generate_managed_job_cluster_name(infos[h.id].name or h.name or "job", int(h.id))
+                    for h in jobs if h.id in infos and infos[h.id].state.is_terminal}  # fmt: skip
+        listed = self._clusters(list(clusters.values())) if clusters else {}
+        for h in jobs:
+            info = infos.get(h.id)
+            if info is None:
+                out[h.key] = ReleaseCheck(True, (f"job {h.id}: unknown to the API server",))
+            elif not info.state.is_terminal:
+                out[h.key] = ReleaseCheck(False, (f"job {h.id}: {info.state.value}",))
+            else:
+                name = clusters[h.key]
+                seen = f"sky.status: cluster {name} {listed[name]}" if name in listed else f"sky.status: no cluster {name}"
+                out[h.key] = ReleaseCheck(name not in listed, (f"job {h.id}: {info.state.value}", seen))
+        return out
+
+    def _clusters(self, names: list[str]) -> dict[str, str]:
+        """Those of ``names`` that ``sky.status`` lists (any user's), with their states."""
         sky = _sky()
         records = self._read(lambda: sky.status(cluster_names=names, all_users=True)) or ()
-        return [str(getattr(r.get("status"), "value", r.get("status"))) for r in records]
+        return {str(r.get("name")): str(getattr(r.get("status"), "value", r.get("status"))) for r in records}
 
     # ----------------------------------------------------------------- services (demos)
     def start_service(self, job: ResolvedJob) -> Service:
