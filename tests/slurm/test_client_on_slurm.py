@@ -126,7 +126,10 @@ def test_two_shards_side_by_side_land_on_two_pools_with_env_labels_and_no_secret
         results[key] = dg.materialize([_probe_asset(key)], resources={"skypilot": _resource(testbed, transit, specs)},
                                       instance=instance, raise_on_error=False)  # fmt: skip
 
-    with dg.instance_for_test() as instance:
+    # Two runs at once in one process: an instance without instance settings, whose runs never call
+    # logging.config.dictConfig (with settings, each new run does, and it can deadlock with the other
+    # run's logging thread: a lock-order inversion in Python's logging).
+    with dg.DagsterInstance.ephemeral() as instance:
         first = threading.Thread(target=materialize, args=("shard_a", instance))
         first.start()
         # The second shard is routed once the first is queued: onprem (cap 1) is then full.
