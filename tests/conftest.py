@@ -42,6 +42,17 @@ def _forget_process_state() -> None:
     skypilot_backend._USAGE_STALE.clear()
 
 
+@pytest.fixture
+def fake_sky(monkeypatch):
+    """The SkyPilot backend talking to the fake SDK of tests/launch/fake_sky.py (no API server)."""
+    from gpudoor_pipelines.launch.backends import skypilot as skypilot_backend
+    from tests.launch.fake_sky import FakeSky
+
+    fake = FakeSky("http://127.0.0.1:1")
+    monkeypatch.setattr(skypilot_backend, "_sky", lambda: fake)
+    return fake
+
+
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[str]:
     """Endpoint URL (http://127.0.0.1:PORT) of an S3-compatible server.

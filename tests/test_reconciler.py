@@ -12,11 +12,9 @@ import os
 import time
 
 import dagster as dg
-import pytest
 import yaml
 
 from gpudoor_pipelines.automation.reconciler import orphan_reconciler, release_held_gpus_job
-from gpudoor_pipelines.launch.backends import skypilot as skypilot_backend
 from gpudoor_pipelines.launch.backends.base import Holding, ResolvedJob
 from gpudoor_pipelines.launch.backends.local import LocalBackend, _group_alive
 from gpudoor_pipelines.launch.client import PipesSkyPilotClient
@@ -25,7 +23,7 @@ from gpudoor_pipelines.launch.routing import Route
 from gpudoor_pipelines.launch.rules import identity_signature
 from gpudoor_pipelines.reconcile import RunFacts, plan_releases
 from gpudoor_pipelines.transit.resource import TransitBucketResource
-from tests.launch.fake_sky import FakeSky, Status
+from tests.launch.fake_sky import Status
 
 POLICY = ReconcilerPolicy(grace_minutes=10, interactive_ttl_hours=12, max_interactive_ttl_hours=72)
 NOW = 1_000_000.0
@@ -198,11 +196,6 @@ def test_the_sensor_releases_an_orphan_verifies_it_and_leaves_a_live_runs_job_al
 
 
 # ------------------------------------------------------------------ on the fake SkyPilot SDK
-@pytest.fixture
-def fake_sky(monkeypatch):
-    fake = FakeSky("http://127.0.0.1:1")
-    monkeypatch.setattr(skypilot_backend, "_sky", lambda: fake)
-    return fake
 
 
 def _sky_client(tmp_path, **reconciler) -> PipesSkyPilotClient:

@@ -13,14 +13,13 @@ from PIL import Image
 
 from gpudoor_pipelines.assets.usage import WEEKS, gpu_usage, usage_table, week_of
 from gpudoor_pipelines.automation.schedules import weekly_gpu_usage_schedule
-from gpudoor_pipelines.launch.backends import skypilot as skypilot_backend
 from gpudoor_pipelines.launch.backends.local import LocalBackend
 from gpudoor_pipelines.launch.client import PipesSkyPilotClient
 from gpudoor_pipelines.launch.request import LaunchRequest, resolve
 from gpudoor_pipelines.launch.specs import load_spec
 from gpudoor_pipelines.transit.io_manager import TransitIOManager
 from gpudoor_pipelines.transit.resource import TransitBucketResource
-from tests.launch.fake_sky import FakeSky, Record, Status
+from tests.launch.fake_sky import Record, Status
 
 HOUR = 3600.0
 
@@ -172,11 +171,6 @@ def test_a_window_counts_only_its_part_of_a_job(tmp_path):
 
 
 # ----------------------------------------------------------------- SkyPilot's queue
-@pytest.fixture
-def fake_sky(monkeypatch):
-    fake = FakeSky("http://127.0.0.1:1")
-    monkeypatch.setattr(skypilot_backend, "_sky", lambda: fake)
-    return fake
 
 
 def _labels(pool: str, owner: str, **more: str) -> dict:

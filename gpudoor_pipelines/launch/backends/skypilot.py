@@ -584,20 +584,7 @@ class SkyPilotBackend(Backend):
         says CANCELLED) and no cluster of its name in ``sky.status``; a pool gone from ``sky.jobs.pool_status``;
         a cluster gone from ``sky.status``. The SDK has no view of a scheduler's own queue (Slurm's ``squeue``)."""
         if holding.kind == "job":
-            try:
-                record = self._record(int(holding.id))
-            except KeyError:
-                return ReleaseCheck(True, (f"job {holding.id}: unknown to the API server",))
-            state = _state(record.status)
-            seen = [f"job {holding.id}: {state.value}"]
-            if not state.is_terminal:
-                return ReleaseCheck(False, tuple(seen))
-            from sky.jobs.utils import generate_managed_job_cluster_name
-
-            cluster = generate_managed_job_cluster_name(record.job_name or holding.name or "job", int(holding.id))
-            left = self._clusters([cluster])
-            seen.append(f"sky.status: cluster {cluster} {left[cluster]}" if cluster in left else f"sky.status: no cluster {cluster}")
-            return ReleaseCheck(cluster not in left, tuple(seen))
+            return self.check_released_all([holding])[holding.key]
         if holding.kind == "pool":
             record = self._pool(holding.id)
             if record is None:
