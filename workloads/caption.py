@@ -55,7 +55,7 @@ from gpudoor_pipelines.transit.bucket import (
 )
 from workloads.caption_parts import CaptionRow, next_part_index, part_bytes, part_name, read_done
 from workloads.config import ConfigError, env_float, env_int, env_str, run_main
-from workloads.reporting import Reporter, open_reporting
+from workloads.reporting import Reporter, open_reporting, saved
 
 KNOWN_MODELS = ("color-shape-v1",)
 # The manifest keeps the first of the skipped images for a person to look at; messages keep fewer.
@@ -397,7 +397,7 @@ def _caption_shard(job: Job, progress: ShardProgress) -> tuple[str, str | None]:
         index += 1
         progress.add_part(name, rows, time.monotonic() - part_started)
         job.reporter.report_custom_message(
-            {"shard": task.shard, "state": "progress", "done": progress.done, "total": len(images)}
+            saved("part", shard=task.shard, state="progress", done=progress.done, total=len(images))
         )
         rate = progress.done_now / max(progress.busy_s, 1e-9)
         say(f"shard {task.shard}: captioned {progress.done}/{len(images)} ({rate:.1f} images/s)")

@@ -10,6 +10,7 @@ is a no-op stand-in so the programs never need to ask.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -26,6 +27,15 @@ from dagster_pipes import (
 )
 
 from workloads.config import node_rank
+
+
+def saved(what: str, **fields: Any) -> dict[str, Any]:
+    """A custom message saying work is saved up to now (a part written, a checkpoint published).
+
+    Send it right after the save: ``durable_at`` (this machine's UNIX time) tells the step how much
+    work a preemption after it loses (``gpudoor_pipelines.launch.goodput``).
+    """
+    return {"saved": what, "durable_at": time.time(), **fields}
 
 
 class Reporter(Protocol):

@@ -48,7 +48,7 @@ from typing import Any
 from gpudoor_pipelines.transit.bucket import bucket_for_uri, write_bytes
 from workloads.checkpoints import latest_checkpoint, read_manifest
 from workloads.config import ConfigError, env_flag, env_float, env_int, env_str, node_rank, run_main
-from workloads.reporting import open_reporting
+from workloads.reporting import open_reporting, saved
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,8 @@ def run(settings: dict[str, Any]) -> Ending:
         from workloads.training import TrainingError, TrainSettings, train
 
         try:
-            result = train(TrainSettings(**settings), latest[1] if latest else None, log)
+            result = train(TrainSettings(**settings), latest[1] if latest else None, log,
+                           on_checkpoint=lambda step: reporter.report_custom_message(saved("checkpoint", step=step)))  # fmt: skip
         except TrainingError as exc:
             print(str(exc), file=sys.stderr, flush=True)
             return Ending("failed", reason=one_line(str(exc)))

@@ -65,8 +65,15 @@ class TrainResult:
     checkpoints: list[int] = field(default_factory=list)
 
 
-def train(settings: TrainSettings, resume_uri: str | None, log: Callable[[str], None]) -> TrainResult:
+def train(
+    settings: TrainSettings,
+    resume_uri: str | None,
+    log: Callable[[str], None],
+    on_checkpoint: Callable[[int], None] | None = None,
+) -> TrainResult:
     """Train from ``resume_uri`` (a checkpoint folder, or None for a fresh start) to max_steps.
+
+    ``on_checkpoint(step)`` is called on rank 0 once each checkpoint is complete in storage.
 
     Raises:
         TrainingError: no usable training data, or a smoke-test check failed.
@@ -143,6 +150,8 @@ def train(settings: TrainSettings, resume_uri: str | None, log: Callable[[str], 
                 )
                 result.checkpoints.append(step)
                 log(f"checkpoint step {step} written to {uri}")
+                if on_checkpoint is not None:
+                    on_checkpoint(step)
             window_loss, window_steps, window_correct = 0.0, 0, 0
         if s.throttle_s:
             time.sleep(s.throttle_s)

@@ -31,6 +31,7 @@ from pydantic import Field
 from gpudoor_pipelines.launch.backends.base import FAILURE_MEANING, Backend, Holding, JobInfo, ResolvedJob
 from gpudoor_pipelines.launch.errors import JobFailed, LaunchConfigError
 from gpudoor_pipelines.launch.fleet import Fleet, load_fleet
+from gpudoor_pipelines.launch.goodput import PreemptionCost, Timeline, preemption_cost, saved_times
 from gpudoor_pipelines.launch.release import ReleaseOutcome
 from gpudoor_pipelines.launch.request import LaunchRequest, resolve, slug
 from gpudoor_pipelines.launch.specs import TaskSpec, load_spec
@@ -82,14 +83,15 @@ class LaunchRecord:
     cost_usd: float
     policy: tuple[str, ...]
     task_spec: str
+    preemptions: PreemptionCost | None = None
 
     @classmethod
-    def of(cls, job: ResolvedJob, info: JobInfo, backend: str) -> LaunchRecord:
-        """The record of a finished job."""
+    def of(cls, job: ResolvedJob, info: JobInfo, backend: str, preemptions: PreemptionCost | None = None) -> LaunchRecord:
+        """The record of a finished job (with what its preemptions cost, when the step watched it)."""
         assert job.route is not None
         queued = info.started_at - info.submitted_at if info.started_at and info.submitted_at else None
         running = info.ended_at - info.started_at if info.ended_at and info.started_at else 0.0
-        return cls(
+        return cls(preemptions=preemptions,
             job_id=info.job_id, job_name=info.name or job.name, backend=backend, pool=job.pool,
             infra=info.infra or job.route.infra, accelerators=job.route.accelerators, num_nodes=job.num_nodes,
             route=job.route.reason, status=info.state.value, recoveries=info.recoveries, queued_s=queued,
@@ -119,6 +121,8 @@ class LaunchRecord:
             md["queued_s"] = round(self.queued_s, 2)
         if self.policy:
             md["policy"] = "; ".join(self.policy)
+        if self.preemptions is not None:
+            md.update(self.preemptions.to_metadata())
         return md
 
 
@@ -219,6 +223,15 @@ def _results_are_reported_by_the_caller(context: dg.AssetExecutionContext) -> No
     one returned result cannot say. Dagster 1.13 has no public way to lift the check.
     """
     context.op_execution_context._step_execution_context._requires_typed_event_stream = False  # noqa: SLF001
+
+
+def _preemption_summary(job_id: str, cost: PreemptionCost) -> str:
+    lines = [f"Job {job_id} was preempted {len(cost.preemptions)} time(s) and recovered: "
+             f"{cost.gpu_hours_lost:.3f} of {cost.gpu_hours_held:.3f} GPU-hours held were lost (goodput {cost.goodput:.1%})."]  # fmt: skip
+    for p in cost.preemptions:
+        saved = "nothing saved before it" if p.last_saved_at is None else f"last save {p.seen_at - p.last_saved_at:.0f} s before"
+        lines.append(f"- preempted (seen) at {time.strftime('%H:%M:%S', time.localtime(p.seen_at))}, {saved}: {p.lost_s:.0f} s of work lost")
+    return "\n".join(lines)
 
 
 def _summarize(infos: Iterable[JobInfo]) -> str:
@@ -510,8 +523,14 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
             with _nothing_launched():
                 job = resolve(request, self.get_fleet(), usage=backend.usage())
             job_id = self._reattach_or_submit(context, backend, job, request)
-            info = self._wait_for_completion(context, backend, job_id, _Redactor(job.secrets))
-        return SkyPilotInvocation(session, LaunchRecord.of(job, info, backend.name))
+            timeline = Timeline()
+            info = self._wait_for_completion(context, backend, job_id, _Redactor(job.secrets), timeline)
+        # Read once the session is closed: by then every message the job sent has been read.
+        cost = preemption_cost(timeline, saved_times(session.get_custom_messages()), gpus=job.route.total_gpus,
+                               ended_at=time.time(), ran_s=info.ran_s)  # fmt: skip
+        if cost.preemptions:
+            context.log.warning(_preemption_summary(job_id, cost))
+        return SkyPilotInvocation(session, LaunchRecord.of(job, info, backend.name, cost))
 
     def _reattach_or_submit(
         self, context: dg.AssetExecutionContext, backend: Backend, job: ResolvedJob, request: LaunchRequest
@@ -541,7 +560,8 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
         return job_id
 
     def _wait_for_completion(
-        self, context: dg.AssetExecutionContext, backend: Backend, job_id: str, redact: _Redactor
+        self, context: dg.AssetExecutionContext, backend: Backend, job_id: str, redact: _Redactor,
+        timeline: Timeline | None = None,
     ) -> JobInfo:
         """Streams the job's log into the run until the job ends; forwards a termination to the job.
 
@@ -564,6 +584,8 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
                 if ended or time.monotonic() >= next_poll:
                     stream_seen_ended = stream_seen_ended or ended
                     info = self._hub_status(hub, job_id)
+                    if timeline is not None:
+                        timeline.see(time.time(), info)
                     changed = info.state != last_state
                     if changed:
                         context.log.debug(f"Job {job_id}: {info.state.value}")

@@ -59,6 +59,10 @@ class FakeSky:
         launched: the ``sky.Task`` of every ``jobs.launch``.
         cancelled: job ids passed to ``jobs.cancel``.
         interrupt_after: raise ``interrupt`` from the n-th status poll (simulates a run being terminated).
+        preempt_at: the status polls at which a running job is preempted: it shows RECOVERING (its
+            recovery count up by one), then RUNNING again at the next poll.
+        says: Pipes custom messages a job sends, by status poll (written where the job's Pipes
+            bootstrap env says, as a job on a real node would).
     """
 
     def __init__(self, endpoint: str, polls_to_finish: int = 3, run_seconds: float = 3600.0) -> None:
@@ -76,6 +80,8 @@ class FakeSky:
         self.queue_requests: list[dict] = []  # the arguments of every jobs.queue_v2 request
         self.interrupt_after: int | None = None
         self.interrupt: BaseException | None = None
+        self.preempt_at: set[int] = set()
+        self.says: dict[int, list[Any]] = {}
         self._lock = threading.Lock()
         self.pools: list[dict] = []  # records as sky.jobs.pool_status returns them
         self.clusters: list[dict] = []  # records as sky.cost_report returns them (clusters, torn down or up)
@@ -154,10 +160,30 @@ class FakeSky:
         if self.interrupt_after is not None and n >= self.interrupt_after and r.status is Status.RUNNING:
             self.interrupt_after = None
             raise self.interrupt or KeyboardInterrupt()
+        for payload in self.says.get(n, ()):
+            self._send(r.job_id, payload() if callable(payload) else payload)
         if r.status is Status.PENDING and n >= 1 and r.submitted_at is not None:
             r.status, r.start_at = Status.RUNNING, r.submitted_at + 10.0
+        elif r.status is Status.RUNNING and n in self.preempt_at:
+            r.status, r.recovery_count = Status.RECOVERING, r.recovery_count + 1
+        elif r.status is Status.RECOVERING:
+            r.status = Status.RUNNING
         elif r.status is Status.RUNNING and n >= self.polls_to_finish:
             r.status, r.end_at = Status.SUCCEEDED, (r.start_at or 0.0) + self.run_seconds
+            if r.recovery_count:  # SkyPilot's job_duration leaves out the time spent recovering
+                r.job_duration = self.run_seconds - 600.0 * r.recovery_count
+
+    def _send(self, job_id: int, payload: Any) -> None:
+        """The job sends a Pipes custom message (to the file its bootstrap env names)."""
+        import json
+
+        from dagster_pipes import PIPES_PROTOCOL_VERSION, PIPES_PROTOCOL_VERSION_FIELD, decode_env_var
+
+        task = self.launched[job_id - 1]
+        path = decode_env_var(task.envs["DAGSTER_PIPES_MESSAGES"])["path"]
+        message = {PIPES_PROTOCOL_VERSION_FIELD: PIPES_PROTOCOL_VERSION, "method": "report_custom_message", "params": {"payload": payload}}
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(message) + "\n")
 
     def _tail_logs(self, job_id: int, follow: bool = True, tail: int = 0, output_stream=None) -> int:
         output_stream.write(f"fake job {job_id} says hello\n")

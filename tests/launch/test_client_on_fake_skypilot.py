@@ -5,7 +5,9 @@ moments that a real server cannot produce on demand: an interrupt mid-wait, a jo
 """
 
 import http.server
+import logging
 import threading
+import time
 from pathlib import Path
 
 import dagster as dg
@@ -84,6 +86,37 @@ def test_termination_is_forwarded_to_the_job(tmp_path, fake_sky, forward):
     assert fake_sky.records[1].status is (Status.CANCELLED if forward else Status.RUNNING)
     # The release is verified and recorded on the run: the job terminal, and no cluster of its name left.
     assert tags.get("gpudoor/released-job-1", "").startswith("confirmed in") == forward
+
+
+def test_a_preempted_job_records_what_the_preemption_cost(tmp_path, fake_sky):
+    """Preempted once and recovered by SkyPilot: the materialization says how much work was lost."""
+    saves: list[float] = []
+
+    def save() -> dict:
+        saves.append(time.time())
+        return {"saved": "checkpoint", "durable_at": saves[-1]}
+
+    fake_sky.polls_to_finish, fake_sky.preempt_at = 8, {4}
+    fake_sky.says = {2: [save], 3: [{"note": "not a save"}]}  # saved once, then preempted two looks later
+    with dg.instance_for_test() as instance:
+        result = dg.materialize([probe_asset], partition_key="shard-007", instance=instance, resources={"skypilot": _client(tmp_path, fake_sky)})
+        assert result.success
+        md = {k: v.value for k, v in result.asset_materializations_for_node("probe_asset")[0].metadata.items()}
+        warnings = [e.user_message for e in instance.all_logs(result.run_id) if e.level >= logging.WARNING]
+    # SkyPilot's job_duration (what the job ran, recovering left out) is the time held: 50 min on 1 GPU.
+    assert md["recoveries"] == 1 and md["gpu_hours_held"] == pytest.approx(3000 / 3600, abs=1e-6)
+    # Lost: from the save to the moment the step saw the job recovering (two looks later), not the whole run.
+    assert 0 < md["gpu_hours_lost_to_preemption"] < (time.time() - saves[0]) / 3600
+    assert md["goodput"] == pytest.approx(1 - md["gpu_hours_lost_to_preemption"] / md["gpu_hours_held"], abs=1e-4)
+    (summary,) = [w for w in warnings if "preempted" in w]
+    assert summary.startswith("Job 1 was preempted 1 time(s) and recovered") and "last save" in summary
+
+
+def test_a_job_never_preempted_has_a_goodput_of_one(tmp_path, fake_sky):
+    with dg.instance_for_test() as instance:
+        result = dg.materialize([probe_asset], partition_key="shard-007", instance=instance, resources={"skypilot": _client(tmp_path, fake_sky)})
+    md = {k: v.value for k, v in result.asset_materializations_for_node("probe_asset")[0].metadata.items()}
+    assert md["recoveries"] == 0 and md["gpu_hours_lost_to_preemption"] == 0 and md["goodput"] == 1.0
 
 
 def test_a_retried_step_reattaches_instead_of_launching_again(tmp_path, fake_sky):

@@ -117,6 +117,9 @@ class JobInfo:
     started_at: float | None = None
     ended_at: float | None = None
     detail: str = ""
+    #: Seconds the job ran, time spent recovering after preemptions excluded (SkyPilot's
+    #: ``job_duration``); None where the backend does not count it.
+    ran_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)

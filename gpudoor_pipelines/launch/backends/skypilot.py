@@ -772,4 +772,5 @@ def _info(r: Any) -> JobInfo:
         started_at=r.start_at,
         ended_at=r.end_at,
         detail=r.failure_reason or r.details or "",
+        ran_s=float(r.job_duration) if r.job_duration is not None and r.start_at else None,
     )
