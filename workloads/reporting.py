@@ -23,6 +23,7 @@ from dagster_pipes import (
     PipesMessageWriter,
     PipesS3ContextLoader,
     PipesS3MessageWriter,
+    PipesS3MessageWriterChannel,
     open_dagster_pipes,
 )
 
@@ -85,6 +86,35 @@ class NoOpReporter:
         """Drop a custom message."""
 
 
+class ResumingS3MessageWriter(PipesS3MessageWriter):
+    """Dagster's S3 message writer, numbering its chunks after those already under its prefix.
+
+    The orchestrator reads chunks ``1.json``, ``2.json``, ... in order. A managed job that SkyPilot
+    recovers after a preemption runs again with the same Pipes params: the stock writer would start
+    again at ``1.json``, overwrite the first attempt's chunks, and every message until it passed the
+    first attempt's count would never be read. This one carries on from the highest chunk there.
+    Chunks go up every 3-5 s (Dagster's default: 10-12 s) so a preempted job loses fewer of its last messages.
+    """
+
+    def __init__(self, client: Any, *, interval: float = 3.0) -> None:
+        super().__init__(client, interval=interval)
+
+    def make_channel(self, params: Any) -> PipesS3MessageWriterChannel:
+        channel = super().make_channel(params)
+        prefix = params.get("key_prefix")
+        listing = self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=params["bucket"], Prefix=f"{prefix}/" if prefix else ""
+        )
+        indices = [
+            int(name.removesuffix(".json"))
+            for page in listing
+            for obj in page.get("Contents", ())
+            if (name := obj["Key"].rsplit("/", 1)[-1]).removesuffix(".json").isdigit()
+        ]
+        channel._counter = max(indices, default=0) + 1  # dagster-pipes' own counter, pinned with dagster
+        return channel
+
+
 def _s3_client() -> Any:
     import boto3  # only needed when Pipes goes through S3
 
@@ -111,7 +141,7 @@ def open_reporting() -> Iterator[Reporter]:
         else PipesDefaultContextLoader()
     )
     message_writer: PipesMessageWriter = (
-        PipesS3MessageWriter(client=_s3_client())
+        ResumingS3MessageWriter(client=_s3_client())
         if "bucket" in params.load_messages_params()
         else PipesDefaultMessageWriter()
     )

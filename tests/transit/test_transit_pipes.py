@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import dagster as dg
 import pytest
@@ -10,6 +11,8 @@ from transit_helpers import TEST_KEY_ID, TEST_REGION, TEST_SECRET, raw_client
 
 from gpudoor_pipelines.transit.pipes import PIPES_PREFIX, pipes_context_injector, pipes_message_reader
 from gpudoor_pipelines.transit.resource import TransitBucketResource
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # the "job": a plain python process with dagster_pipes and boto3, configured only by its env
 JOB_SCRIPT = r"""
@@ -87,3 +90,45 @@ def test_pipes_round_trip_through_the_bucket(pipes_transit: TransitBucketResourc
         client = raw_client(pipes_transit.endpoint_url)
         leftovers = client.list_objects_v2(Bucket=pipes_transit.bucket).get("Contents", [])
         assert leftovers == []
+
+
+# A job as SkyPilot recovers it: attempt 1 is preempted mid-session (no goodbye), attempt 2 runs again with
+# the same Pipes params. It reports through the workloads' own reporting.
+RECOVERED_JOB = r"""
+import os, time
+from workloads.reporting import open_reporting, saved
+
+attempt = os.environ["ATTEMPT"]
+with open_reporting() as pipes:
+    pipes.report_custom_message(saved("part", attempt=attempt))
+    if attempt == "1":
+        time.sleep(6)  # its chunk goes up (a chunk every 3-5 s), then it is preempted
+        os._exit(137)
+    pipes.report_custom_message(saved("part", attempt=attempt, last=True))
+"""
+
+
+@pytest.mark.s3
+def test_messages_of_a_job_recovered_after_preemption_all_arrive(s3_server, s3_bucket_name):
+    transit = TransitBucketResource(kind="s3", bucket=s3_bucket_name, prefix="transit", endpoint_url=s3_server,
+                                    region=TEST_REGION, access_key_id=TEST_KEY_ID, secret_access_key=TEST_SECRET)  # fmt: skip
+    received = []
+
+    @dg.asset
+    def recovered(context: dg.AssetExecutionContext):
+        bucket = transit.get_bucket()
+        with dg.open_pipes_session(context=context, context_injector=pipes_context_injector(bucket),
+                                   message_reader=pipes_message_reader(bucket, interval=0.5)) as session:  # fmt: skip
+            clean = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "DAGSTER_PIPES"))}
+            env = {**clean, **bucket.job_env(), **bucket.job_secrets(), **session.get_bootstrap_env_vars(),
+                   "PYTHONPATH": str(REPO_ROOT)}  # fmt: skip
+            for attempt in ("1", "2"):
+                proc = subprocess.run([sys.executable, "-c", RECOVERED_JOB], env={**env, "ATTEMPT": attempt},
+                                      capture_output=True, text=True, timeout=120)  # fmt: skip
+                assert proc.returncode == (137 if attempt == "1" else 0), proc.stderr
+        received.extend(session.get_custom_messages())
+        return dg.MaterializeResult()
+
+    assert dg.materialize([recovered]).success
+    assert [(m["attempt"], m.get("last", False)) for m in received] == [("1", False), ("2", False), ("2", True)]
+    assert all(isinstance(m["durable_at"], float) for m in received)
