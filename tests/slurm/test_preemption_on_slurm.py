@@ -1,0 +1,124 @@
+"""A training preempted on the Slurm test bed: SkyPilot recovers it, it resumes from its last checkpoint,
+and the materialization says what the preemption cost.
+
+Nothing is faked: the project's train spec (``task_specs/train.yaml``, on one node of one fake H200 so it
+fits the bed) runs ``workloads.train`` as a managed job through the bed's API server, with its data and
+checkpoints in the S3 transit bucket on 127.0.0.1. Once the job has published a checkpoint, its Slurm
+allocation is cancelled with ``scancel``, which is how Slurm takes nodes back; SkyPilot's controller sees
+the cluster gone and recovers the job on a new allocation (``job_recovery: FAILOVER``).
+"""
+
+import io
+import re
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import dagster as dg
+import pandas as pd
+import pytest
+import yaml
+
+from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
+from tests.slurm.conftest import squeue
+from tests.slurm.test_client_on_slurm import BED_FLEET, REPO_ROOT, _managed
+from workloads.synthetic import caption_text, generate_image, image_id
+
+pytestmark = pytest.mark.slurm
+
+MAX_STEPS, CHECKPOINT_EVERY = 40, 10
+#: From the job's submission to the end of the recovered run: provisioning, the preemption seen by
+#: SkyPilot's controller (measured 20-30 s), the recovery (about 3 min on the idle bed), the rest of the run.
+PATIENCE_S = 900.0
+
+
+def _dataset(bucket, prefix: str, count: int = 48) -> str:
+    rows = []
+    for index in range(count):
+        png, color, shape = generate_image(index)
+        key = f"{prefix}/images/{image_id(index)}.png"
+        bucket.put_bytes(key, png)
+        rows.append({"image_id": image_id(index), "image_uri": bucket.uri(key), "caption": caption_text(color, shape)})
+    out = io.BytesIO()
+    pd.DataFrame(rows).to_parquet(out)
+    bucket.put_bytes(f"{prefix}/captions.parquet", out.getvalue())
+    return bucket.uri(f"{prefix}/captions.parquet")
+
+
+def _one_node_train_spec(tmp_path: Path) -> Path:
+    spec = yaml.safe_load((REPO_ROOT / "task_specs" / "train.yaml").read_text())
+    spec["num_nodes"] = 1
+    spec["resources"]["accelerators"] = "H200:1"
+    spec["envs"]["WORKLOAD_THROTTLE_S"] = 0  # the test slows the steps down to preempt the job mid-run
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    (specs / "train.yaml").write_text(yaml.safe_dump(spec))
+    return specs
+
+
+def _checkpoints(bucket, prefix: str) -> list[int]:
+    return sorted(int(m.group(1)) for key in bucket.list_keys(prefix + "/") if (m := re.search(r"/step-(\d+)/_manifest\.json$", key)))
+
+
+def test_a_preempted_training_resumes_from_its_last_checkpoint_and_says_what_it_cost(testbed, transit, tmp_path):
+    bucket = transit.get_bucket()
+    name = f"preempt-{uuid.uuid4().hex[:8]}"
+    dataset_uri = _dataset(bucket, f"datasets/{name}")
+    output = f"checkpoints/{name}"
+    client = PipesSkyPilotClient(backend="skypilot", api_server_endpoint=testbed.api_endpoint, fleet_file=str(BED_FLEET),
+                                 specs_dir=str(_one_node_train_spec(tmp_path)), poll_interval_s=2.0, transit=transit)  # fmt: skip
+
+    @dg.asset(name="preempted_training")
+    def training(context: dg.AssetExecutionContext, skypilot: PipesSkyPilotClient) -> dg.MaterializeResult:
+        env = {"MAX_STEPS": str(MAX_STEPS), "CHECKPOINT_EVERY": str(CHECKPOINT_EVERY), "WORKLOAD_THROTTLE_S": "1.0"}
+        request = skypilot.request(context, "train", inputs={"DATASET_URI": dataset_uri, "OUTPUT_URI": bucket.uri(output)},
+                                   config=LaunchConfig(env=env))  # fmt: skip
+        return skypilot.run(context=context, request=request).get_materialize_result()
+
+    instance = dg.DagsterInstance.ephemeral()
+    preempted: dict = {}
+
+    def preempt_after_first_checkpoint() -> None:
+        deadline = time.monotonic() + PATIENCE_S
+        while time.monotonic() < deadline and not preempted:
+            runs = instance.get_runs()
+            job_ids = [v.split(":", 1)[1] for r in runs for k, v in r.tags.items() if k.startswith("gpudoor/job-")]
+            if job_ids and _checkpoints(bucket, output):
+                record = _managed(int(job_ids[0]))
+                if record.status.value == "RUNNING" and record.cluster_name_on_cloud:
+                    preempted["saved"] = _checkpoints(bucket, output)[-1]
+                    preempted["allocation"] = record.cluster_name_on_cloud
+                    preempted["job_id"] = job_ids[0]
+                    subprocess.run(["scancel", "--name", record.cluster_name_on_cloud], check=True, timeout=30)
+                    preempted["at"] = time.time()
+                    return
+            time.sleep(1)
+
+    preempter = threading.Thread(target=preempt_after_first_checkpoint, daemon=True)
+    preempter.start()
+    result = dg.materialize([training], instance=instance, resources={"skypilot": client}, raise_on_error=False)
+    preempter.join(timeout=5)
+    logs = [e.user_message for e in instance.all_logs(result.run_id)]
+    assert preempted, "the training ended before it could be preempted:\n" + "\n".join(logs[-40:])
+    assert result.success, "\n".join(logs[-60:])
+    md = {k: v.value for k, v in result.asset_materializations_for_node("preempted_training")[0].metadata.items()}
+
+    # SkyPilot recovered the job, which resumed from the checkpoint saved before the preemption: the steps
+    # up to it were not trained again (it may have saved one more between our look and the scancel).
+    assert md["recoveries"] >= 1
+    assert preempted["saved"] <= md["resumed_from_step"] <= preempted["saved"] + CHECKPOINT_EVERY < MAX_STEPS
+    assert md["steps"] == MAX_STEPS and min(md["checkpoints"]) > md["resumed_from_step"]
+    assert any(f"resuming from step {md['resumed_from_step']}" in line for line in logs)
+    # What it cost: work since the last save before the preemption, on 1 GPU; not the whole run.
+    assert 0 < md["gpu_hours_lost_to_preemption"] < md["gpu_hours_held"]
+    assert 0 < md["goodput"] < 1
+    assert any(line.startswith(f"Job {preempted['job_id']} was preempted") for line in logs)
+    print(f"preempted at checkpoint {preempted['saved']}; resumed from {md['resumed_from_step']}; "
+          f"{md['gpu_hours_lost_to_preemption'] * 3600:.0f} GPU-s lost of {md['gpu_hours_held'] * 3600:.0f} held, goodput {md['goodput']}")  # fmt: skip
+    # Nothing stays held: the job's Slurm allocations (the preempted one and the recovery's) are gone.
+    deadline = time.monotonic() + 180
+    while any(j["name"] == preempted["allocation"] for j in squeue()) and time.monotonic() < deadline:
+        time.sleep(2)
+    assert not any(j["name"] == preempted["allocation"] for j in squeue()), squeue()
