@@ -1,12 +1,24 @@
-"""Benchmark: from asset start to managed job submitted, against a bare ``sky.jobs.launch``.
+"""Benchmark: launch latency through the door, against SkyPilot called bare, on the Slurm test bed.
 
 Runs on the Slurm test bed (``bash testbed/up.sh`` first, as root; ``source testbed/.state/env``).
-In one process: a bare ``sky.jobs.launch`` of a tiny task, then the same task materialized
-through ``PipesSkyPilotClient`` (spec checks, routing, fleet rules, Pipes session, submission),
-timed from the asset's first line to "Submitted job". Both jobs are cancelled right after
-submission. Prints both times and the ratio.
+All in one process, one after the other (each job ends before the next starts: a job still ending
+holds its pool's cap).
 
-    .venv/bin/python benchmarks/launch_latency.py [--repeat 2]
+Submission (``--repeat`` times each):
+- bare: ``sky.jobs.launch`` of a tiny task, timed to its job id;
+- door, ``live_caps: server`` (the bed's fleet): the same task materialized through
+  ``PipesSkyPilotClient`` (spec checks, routing, fleet rules, Pipes session, submission), timed from
+  the asset's first line to "Submitted job"; the API server's policy counts what is held;
+- door, ``live_caps: launcher``: the same, the launcher reading what is held before it launches.
+Those jobs are cancelled once submitted.
+
+End to end (``--e2e``), one 5-second task each, from the call to the job's end:
+- the door: asset start to materialization (managed job: recovery and cancel included);
+- bare managed job: ``sky.jobs.launch`` polled until it ends;
+- launch, tail, down, the pattern of other orchestrator integrations: ``sky.launch`` on a cluster,
+  ``sky.tail_logs``, ``sky.down`` (no recovery: a preempted cluster is a failed step).
+
+    .venv/bin/python benchmarks/launch_latency.py [--repeat 2] [--e2e]
 """
 
 import argparse
@@ -15,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import dagster as dg
@@ -28,29 +41,77 @@ from gpudoor_pipelines.launch.backends import local as _local  # noqa: E402,F401
 from gpudoor_pipelines.launch.client import PipesSkyPilotClient  # noqa: E402
 from gpudoor_pipelines.transit.resource import TransitBucketResource  # noqa: E402
 
-RUN = "sleep 300"
+LONG_RUN, SHORT_RUN = "sleep 300", "sleep 5"
 OWNER = {"gpudoor-cost-owner": "ml-research"}
 
 
-def bare_launch(infra: str) -> float:
+def _terminal(job_ids: list[int]) -> bool:
     import sky
 
-    task = sky.Task(name="bench-bare", run=RUN)
-    task.set_resources(sky.Resources(infra=infra, accelerators="L4:1", labels=OWNER))
-    start = time.perf_counter()
-    job_ids, _ = sky.get(sky.jobs.launch(task, name="bench-bare"))
-    elapsed = time.perf_counter() - start
+    records, *_ = sky.get(sky.jobs.queue_v2(refresh=False, all_users=True, job_ids=job_ids, fields=["job_id", "status"]))
+    return all(r.status.is_terminal() for r in records)
+
+
+def cancel_and_wait(job_ids: list[int]) -> None:
+    """Cancels the jobs and waits until they have ended (outside the timing)."""
+    import sky
+
     sky.get(sky.jobs.cancel(job_ids=job_ids))
+    while not _terminal(job_ids):
+        time.sleep(1)
+
+
+def _task(run: str, infra: str):
+    import sky
+
+    task = sky.Task(name="bench-bare", run=run)
+    task.set_resources(sky.Resources(infra=infra, accelerators="L4:1", labels=OWNER))
+    return task
+
+
+def bare_submit(infra: str) -> float:
+    import sky
+
+    start = time.perf_counter()
+    job_ids, _ = sky.get(sky.jobs.launch(_task(LONG_RUN, infra), name="bench-bare"))
+    elapsed = time.perf_counter() - start
+    cancel_and_wait(job_ids)
     return elapsed
 
 
-def through_resource(endpoint: str, specs: Path, transit_root: Path) -> float:
+def bare_end_to_end(infra: str) -> float:
     import sky
 
+    start = time.perf_counter()
+    job_ids, _ = sky.get(sky.jobs.launch(_task(SHORT_RUN, infra), name="bench-bare-e2e"))
+    while not _terminal(job_ids):
+        time.sleep(1)
+    return time.perf_counter() - start
+
+
+def launch_tail_down(infra: str) -> float:
+    import sky
+
+    cluster = f"bench-ltd-{uuid.uuid4().hex[:6]}"
+    start = time.perf_counter()
+    job_id, _ = sky.get(sky.launch(_task(SHORT_RUN, infra), cluster_name=cluster))
+    sky.tail_logs(cluster, job_id, follow=True)
+    sky.get(sky.down(cluster))
+    return time.perf_counter() - start
+
+
+def fleet_file(tmp: Path, live_caps: str) -> Path:
+    fleet = yaml.safe_load((REPO / "testbed" / "fleet.yaml").read_text())
+    path = tmp / f"fleet-{live_caps}.yaml"
+    path.write_text(yaml.safe_dump({**fleet, "live_caps": live_caps}))
+    return path
+
+
+def through_resource(endpoint: str, specs: Path, transit_root: Path, fleet: Path, *, end_to_end: bool = False) -> float:
     marks: dict[str, float] = {}
 
     @dg.asset
-    def bench(context: dg.AssetExecutionContext, skypilot: PipesSkyPilotClient) -> None:
+    def bench(context: dg.AssetExecutionContext, skypilot: PipesSkyPilotClient) -> dg.MaterializeResult:
         marks["start"] = time.perf_counter()
         backend = skypilot.get_backend()
         submit = backend.submit
@@ -58,16 +119,19 @@ def through_resource(endpoint: str, specs: Path, transit_root: Path) -> float:
         def timed_submit(job):
             job_id = submit(job)
             marks["submitted"] = time.perf_counter()
-            sky.get(sky.jobs.cancel(job_ids=[int(job_id)]))
+            if not end_to_end:
+                cancel_and_wait([int(job_id)])
             return job_id
 
         backend.submit = timed_submit
         skypilot.__class__.get_backend = lambda self: backend  # the timed backend for this launch
-        # The job is cancelled on purpose right after submission: the step fails, the times are kept.
-        skypilot.run(context=context, request=skypilot.request(context, "caption"))
+        # Submission only: the job is cancelled on purpose once submitted; the step fails, the times are kept.
+        result = skypilot.run(context=context, request=skypilot.request(context, "caption")).get_materialize_result()
+        marks["ended"] = time.perf_counter()
+        return result
 
     resource = PipesSkyPilotClient(
-        backend="skypilot", api_server_endpoint=endpoint, fleet_file=str(REPO / "testbed" / "fleet.yaml"),
+        backend="skypilot", api_server_endpoint=endpoint, fleet_file=str(fleet),
         specs_dir=str(specs), transit=TransitBucketResource(local_root=str(transit_root)), poll_interval_s=1.0,
     )  # fmt: skip
     original = PipesSkyPilotClient.get_backend
@@ -75,12 +139,20 @@ def through_resource(endpoint: str, specs: Path, transit_root: Path) -> float:
         dg.materialize([bench], resources={"skypilot": resource}, raise_on_error=False)
     finally:
         PipesSkyPilotClient.get_backend = original
-    return marks["submitted"] - marks["start"]
+    return marks["ended" if end_to_end else "submitted"] - marks["start"]
+
+
+def _specs(root: Path, run: str) -> Path:
+    specs = root / run.replace(" ", "-")
+    specs.mkdir()
+    (specs / "caption.yaml").write_text(yaml.safe_dump({"name": "bench", "resources": {"accelerators": "L4:1"}, "run": run}))
+    return specs
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--e2e", action="store_true", help="also time a 5-second task end to end, three ways")
     args = parser.parse_args()
     sky_env.prepare()
     endpoint = os.environ.get("SKYPILOT_API_SERVER_ENDPOINT")
@@ -89,17 +161,28 @@ def main() -> int:
         print("source testbed/.state/env first (SKYPILOT_API_SERVER_ENDPOINT is not set)", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as tmp:
-        specs = Path(tmp) / "specs"
-        specs.mkdir()
-        (specs / "caption.yaml").write_text(yaml.safe_dump({"name": "bench", "resources": {"accelerators": "L4:1"}, "run": RUN}))
-        bare, ours = [], []
+        root = Path(tmp)
+        long_specs, transit = _specs(root, LONG_RUN), root / "transit"
+        server, launcher = fleet_file(root, "server"), fleet_file(root, "launcher")
+        bare, by_server, by_launcher = [], [], []
         for _ in range(args.repeat):
-            bare.append(bare_launch(infra))
-            ours.append(through_resource(endpoint, specs, Path(tmp) / "transit"))
-    b, o = statistics.median(bare), statistics.median(ours)
-    print(f"bare sky.jobs.launch         : {b:.2f} s (median of {args.repeat})")
-    print(f"asset start -> job submitted : {o:.2f} s (median of {args.repeat})")
-    print(f"ratio (resource / bare)      : {o / b:.2f}x")
+            bare.append(bare_submit(infra))
+            by_server.append(through_resource(endpoint, long_specs, transit, server))
+            by_launcher.append(through_resource(endpoint, long_specs, transit, launcher))
+        b = statistics.median(bare)
+        print(f"submission, median of {args.repeat}:")
+        print(f"  bare sky.jobs.launch                       : {b:6.2f} s")
+        for name, times in (("server", by_server), ("launcher", by_launcher)):
+            t = statistics.median(times)
+            print(f"  door, live_caps: {name:<9} asset -> submit : {t:6.2f} s  ({t / b:.2f}x bare)")
+        if args.e2e:
+            ltd = launch_tail_down(infra)
+            managed = bare_end_to_end(infra)
+            door = through_resource(endpoint, _specs(root, SHORT_RUN), transit, server, end_to_end=True)
+            print("end to end, a 5-second task, once each:")
+            print(f"  sky.launch + tail_logs + sky.down          : {ltd:6.2f} s")
+            print(f"  bare sky.jobs.launch, polled to its end    : {managed:6.2f} s  ({managed / ltd:.2f}x launch-tail-down)")
+            print(f"  door (managed job), asset -> materialized  : {door:6.2f} s  ({door / ltd:.2f}x launch-tail-down, {door / managed:.2f}x bare managed)")
     return 0
 
 

@@ -17,10 +17,12 @@ An asset calls it in one line::
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
 import getpass
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -29,11 +31,12 @@ import dagster as dg
 from pydantic import Field
 
 from gpudoor_pipelines.launch.backends.base import FAILURE_MEANING, Backend, Holding, JobInfo, ResolvedJob
-from gpudoor_pipelines.launch.errors import JobFailed, LaunchConfigError
+from gpudoor_pipelines.launch.errors import JobFailed, LaunchConfigError, PoolFull
 from gpudoor_pipelines.launch.fleet import Fleet, load_fleet
 from gpudoor_pipelines.launch.goodput import PreemptionCost, Timeline, preemption_cost, saved_times
 from gpudoor_pipelines.launch.release import ReleaseOutcome
 from gpudoor_pipelines.launch.request import LaunchRequest, resolve, slug
+from gpudoor_pipelines.launch.routing import Usage
 from gpudoor_pipelines.launch.specs import TaskSpec, load_spec
 from gpudoor_pipelines.launch.watch import Backoff, StatusHub, status_hub
 from gpudoor_pipelines.transit.bucket import TransitBucket
@@ -223,6 +226,27 @@ def _results_are_reported_by_the_caller(context: dg.AssetExecutionContext) -> No
     one returned result cannot say. Dagster 1.13 has no public way to lift the check.
     """
     context.op_execution_context._step_execution_context._requires_typed_event_stream = False  # noqa: SLF001
+
+
+def _side_read(read: Callable[[], Usage]) -> concurrent.futures.Future[Usage]:
+    """``read()`` started in a thread of its own; its result (or its error) when asked."""
+    future: concurrent.futures.Future[Usage] = concurrent.futures.Future()
+
+    def target() -> None:
+        try:
+            future.set_result(read())
+        except BaseException as e:  # noqa: BLE001 - handed to whoever asks for the result
+            future.set_exception(e)
+
+    threading.Thread(target=target, name="gpudoor-usage-read", daemon=True).start()
+    return future
+
+
+def _full(usage: Usage, fleet: Fleet, pools: set[str]) -> Usage:
+    """``usage`` with ``pools`` held to their caps: the API server said they are full, whatever was read."""
+    gpus = {**usage.gpus, **{p: fleet.pools[p].gpu_cap for p in pools if p in fleet.pools}}
+    vcpus = {**usage.vcpus, **{p: fleet.pools[p].vcpu_cap or 0 for p in pools if p in fleet.pools}}
+    return dataclasses.replace(usage, gpus=gpus, vcpus=vcpus)
 
 
 def _preemption_summary(job_id: str, cost: PreemptionCost) -> str:
@@ -508,6 +532,10 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
 
         with _nothing_launched():
             backend = self.get_backend()
+            fleet = self.get_fleet()
+            # What is held is read side by side with the health check and the Pipes session's setup; not at
+            # all when the API server counts it (``live_caps: server``).
+            usage = None if fleet.live_caps == "server" else _side_read(backend.usage)
             backend.check()
         bucket = self.transit.get_bucket()
         with dg.open_pipes_session(
@@ -521,8 +549,8 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
                 request, bucket, session.get_bootstrap_env_vars(), session.default_remote_invocation_info
             )
             with _nothing_launched():
-                job = resolve(request, self.get_fleet(), usage=backend.usage())
-            job_id = self._reattach_or_submit(context, backend, job, request)
+                job = resolve(request, fleet, usage=usage.result() if usage is not None else None)
+            job_id, job = self._reattach_or_submit(context, backend, job, request, fleet)
             timeline = Timeline()
             info = self._wait_for_completion(context, backend, job_id, _Redactor(job.secrets), timeline)
         # Read once the session is closed: by then every message the job sent has been read.
@@ -533,8 +561,11 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
         return SkyPilotInvocation(session, LaunchRecord.of(job, info, backend.name, cost))
 
     def _reattach_or_submit(
-        self, context: dg.AssetExecutionContext, backend: Backend, job: ResolvedJob, request: LaunchRequest
-    ) -> str:
+        self, context: dg.AssetExecutionContext, backend: Backend, job: ResolvedJob, request: LaunchRequest, fleet: Fleet
+    ) -> tuple[str, ResolvedJob]:
+        """Re-attaches to the job an earlier attempt of this step launched, if it still runs; else submits
+        ``job``. A pool the API server says is full is routed around: the next pool of the route, with
+        what is held read then. Returns the job id and the job as submitted."""
         tag_key = f"{_TAG_JOB_PREFIX}{slug(request.asset or '', 60)}" + (
             f"-{slug(request.partition, 60)}" if request.partition else ""
         )
@@ -550,14 +581,23 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
                 context.log.info(
                     f"Re-attaching to job {old_id}, still {state.value}, instead of launching a second one."
                 )
-                return old_id
-        assert job.route is not None
-        context.log.info(f"Launching {job.name} on pool '{job.pool}' ({job.route.infra}, {job.route.describe()}) "
-                         f"through the {backend.name} backend: {job.route.reason}.")  # fmt: skip
-        job_id = backend.submit(job)
+                return old_id, job
+        full: set[str] = set()
+        while True:
+            assert job.route is not None
+            context.log.info(f"Launching {job.name} on pool '{job.pool}' ({job.route.infra}, {job.route.describe()}) "
+                             f"through the {backend.name} backend: {job.route.reason}.")  # fmt: skip
+            try:
+                job_id = backend.submit(job)
+                break
+            except PoolFull as e:
+                full.add(e.pool)
+                context.log.info(f"The API server says pool '{e.pool}' is full ({e.problem}): routing again.")
+                with _nothing_launched():
+                    job = resolve(request, fleet, usage=_full(backend.usage(), fleet, full))
         context.instance.add_run_tags(context.run.run_id, {tag_key: f"{backend.name}:{job_id}"})
         context.log.info(f"Submitted job {job_id}.")
-        return job_id
+        return job_id, job
 
     def _wait_for_completion(
         self, context: dg.AssetExecutionContext, backend: Backend, job_id: str, redact: _Redactor,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 class LaunchConfigError(ValueError):
     """A task spec, the fleet file or a launch override is wrong; nothing was launched.
@@ -55,6 +57,35 @@ class LaunchConfigErrors(LaunchConfigError):
 
 class PolicyRejection(LaunchConfigError):
     """A fleet rule (cap, cost owner, GPU type, priority) refused the job."""
+
+
+class PoolFull(PolicyRejection):
+    """The job fits its pool, but not now: the pool (or the user's share of it) is held by running jobs.
+
+    The API server's policy says so with :attr:`MARK` and the pool's name, so a launcher that routed
+    without reading what is held can try the next pool of its route.
+
+    Attributes:
+        pool: the full pool.
+    """
+
+    MARK = "[gpudoor: pool full]"
+
+    def __init__(self, pool: str, source: str, field: str, problem: str, fix: str) -> None:
+        self.pool = pool
+        super().__init__(source, field, problem, fix)
+
+    def refusal(self) -> str:
+        """The policy's rejection text: the mark and the pool first, then the problem and the fix."""
+        return f"{self.MARK} pool '{self.pool}': {self.problem}. Fix: {self.fix}"
+
+    @classmethod
+    def from_refusal(cls, text: str, source: str) -> PoolFull | None:
+        """The error a policy rejection text stands for, if it is a full pool's."""
+        m = re.search(re.escape(cls.MARK) + r" pool '([^']+)': (.*)\. Fix: (.*)", text, re.S)
+        if m is None:
+            return None
+        return cls(m.group(1), source, "(admin policy)", m.group(2).strip(), m.group(3).strip())
 
 
 class JobFailed(RuntimeError):

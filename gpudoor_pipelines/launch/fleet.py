@@ -11,7 +11,7 @@ import difflib
 import functools
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -228,6 +228,12 @@ class Fleet(BaseModel):
         evaluation: what the checkpoint sensor evaluates, and how much at once.
         reconciler: what the orphan reconciler releases, and when; interactive clusters' time to live.
         secrets: the secrets a job may ask for by name (``secrets: {HF_TOKEN: null}`` in its task file).
+        live_caps: who counts what running jobs hold before a launch, for the caps. ``launcher``: the
+            launcher reads it (one full-queue request per launch, seconds on a busy server) and routes
+            around full pools; the server's policy checks again where it can. ``server``: the API
+            server's policy counts it (it must run this package's policy with the jobs controller in
+            consolidation mode, or it refuses every launch); the launcher routes without reading it and,
+            when the server says a pool is full, reads it then and tries the next pool.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -243,6 +249,7 @@ class Fleet(BaseModel):
     evaluation: EvalPolicy = Field(default_factory=EvalPolicy)
     reconciler: ReconcilerPolicy = Field(default_factory=ReconcilerPolicy)
     secrets: tuple[str, ...] = ()
+    live_caps: Literal["launcher", "server"] = "launcher"
 
     @model_validator(mode="before")
     @classmethod

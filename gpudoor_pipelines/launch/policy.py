@@ -31,9 +31,9 @@ sky_env.prepare()
 import sky  # noqa: E402
 from sky.server.requests.request_names import AdminPolicyRequestName  # noqa: E402
 
-from gpudoor_pipelines.launch.errors import LaunchConfigError  # noqa: E402
+from gpudoor_pipelines.launch.errors import LaunchConfigError, PoolFull  # noqa: E402
 from gpudoor_pipelines.launch.fleet import Fleet, load_fleet  # noqa: E402
-from gpudoor_pipelines.launch.routing import route  # noqa: E402
+from gpudoor_pipelines.launch.routing import Usage, route  # noqa: E402
 from gpudoor_pipelines.launch.rules import (  # noqa: E402
     LABEL_KEY_ENV,
     LABEL_POOL,
@@ -109,13 +109,16 @@ def mutate_config(
     user: str | None = None,
     at_client_side: bool = False,
     source: str = "(request)",
+    usage: Usage | None = None,
 ) -> dict[str, Any]:
     """Checks a task's YAML mapping, routes it and applies the fleet rules, as the admin policy does.
 
     The same checks as the launcher and ``gpudoor where``, all problems at once. Pure apart from
-    reading the server's credentials from the environment (server side only).
+    reading the server's credentials from the environment (server side only). With ``usage`` (what
+    unfinished jobs hold now), the pool's and the user's caps count it.
 
     Raises:
+        PoolFull: the job fits its pool, but not with what is held now.
         LaunchConfigError: the request is refused (the policy turns it into a rejection).
     """
     resources = config.get("resources") or {}
@@ -137,10 +140,19 @@ def mutate_config(
     infra = task_infra(resources, source, fleet, problems)
     # Two pools may share one cluster: the pool the client routed to, when it owns the infra, stays.
     pool = fleet.pools.get(labels.get(LABEL_POOL, ""))
+    where = dict(step=ctx.step, infra=infra, pool=pool.name if pool and infra and pool.owns_infra(infra) else None,
+                 user=ctx.user, infra_field=(source, "resources.infra"))  # fmt: skip
     try:
-        chosen = route(spec, fleet, step=ctx.step, infra=infra, pool=pool.name if pool and infra and pool.owns_infra(infra) else None,
-                       user=ctx.user, infra_field=(source, "resources.infra"))  # fmt: skip
+        chosen = route(spec, fleet, usage=usage, **where)
     except LaunchConfigError as e:
+        if usage is not None and not problems:
+            try:
+                fits = route(spec, fleet, **where)
+            except LaunchConfigError:
+                fits = None
+            if fits is not None:  # it fits its pool, only not with what is held now
+                raise PoolFull(fits.pool.name, source, "resources.accelerators", e.problem,
+                               "wait for jobs to finish, or route to another pool") from None  # fmt: skip
         raise LaunchConfigError.combine([*problems, e]) from None
     injected = Injected(sign_key=sign_key)
     if not at_client_side:  # only the server holds these; a client-side pass leaves them to it
@@ -154,6 +166,73 @@ def mutate_config(
     if problems:
         raise LaunchConfigError.combine(problems)
     return mutated
+
+
+def server_usage() -> Usage | None:
+    """What unfinished managed jobs and warm pools hold now, read in the API server's own process.
+
+    With the jobs controller in consolidation mode (it runs inside the API server), its tables are the
+    server's: one database read, milliseconds, no request. Pending jobs count too, from the task they
+    were launched with: they hold nothing yet, but a burst of launches must not all pass the cap
+    before the first one starts. None where the jobs controller runs apart (its tables are on its own
+    machine): then only the launcher counts live usage.
+    """
+    from sky.jobs import utils as managed_job_utils
+
+    from gpudoor_pipelines.launch.backends.skypilot import job_held, pool_workers_held
+
+    if not managed_job_utils.is_consolidation_mode():
+        return None
+    queue = managed_job_utils.get_managed_job_queue(skip_finished=True, fields=list(_SERVER_QUEUE_FIELDS))
+    held = [row for r in queue.get("jobs") or () if (row := job_held(r, launched_task=True)) is not None]
+    held.extend(pool_workers_held(_warm_pools()))
+    return Usage.tally(held)
+
+
+_SERVER_QUEUE_FIELDS = ("job_id", "status", "labels", "accelerators", "resources", "user_yaml", "task_id", "pool")
+
+
+def _warm_pools() -> list[dict[str, Any]]:
+    """Every warm pool's record, as ``sky.jobs.pool_status`` gives it, read in the server's process."""
+    from sky.serve import serve_state, serve_utils
+
+    out = []
+    for name in serve_state.get_glob_service_names(None):
+        record = serve_utils._get_service_status(name, pool=True, with_replica_info=False)  # noqa: SLF001 - no public in-process form
+        if record is not None:
+            out.append(record)
+    return out
+
+
+def _onto_warm_pool() -> bool:
+    """Whether the managed-job launch being checked goes onto a warm pool (``sky.jobs.launch(pool=...)``):
+    its jobs run on the pool's workers, whose GPUs were counted when the pool was made. The policy is
+    not told; the request's own body, in the server's request table, says."""
+    from sky.server.requests import requests as api_requests
+    from sky.utils import common_utils
+
+    request = api_requests.get_request(common_utils.get_current_request_id(), fields=["request_body"])
+    return bool(getattr(getattr(request, "request_body", None), "pool", None))
+
+
+def _live_usage(user_request: sky.UserRequest, fleet: Fleet) -> Usage | None:
+    """What is held now, for the caps of a managed-job launch checked on the server; None for anything
+    else (clusters, pools, a job's own relaunch after a preemption, a check on the client).
+
+    Raises:
+        LaunchConfigError: the fleet says the server counts live usage (``live_caps: server``) and it
+            cannot (its jobs controller is not in consolidation mode).
+    """
+    if user_request.at_client_side or user_request.request_name != AdminPolicyRequestName.JOBS_LAUNCH:
+        return None
+    usage = server_usage()
+    if usage is not None and _onto_warm_pool():
+        return None
+    if usage is None and fleet.live_caps == "server":
+        raise LaunchConfigError(fleet.source, "live_caps", "the API server cannot count what is held: its jobs controller "
+                                "does not run in consolidation mode", "set live_caps: launcher, or run the jobs controller "
+                                "in consolidation mode (jobs.controller.consolidation_mode: true)")  # fmt: skip
+    return usage
 
 
 class GpuDoorPolicy(sky.AdminPolicy):
@@ -171,15 +250,19 @@ class GpuDoorPolicy(sky.AdminPolicy):
         cluster_name = getattr(options, "cluster_name", None) or ""
         source = f"task '{task.name}'" if task.name else "the unnamed task"
         try:
+            fleet = load_fleet(os.environ.get("GPUDOOR_FLEET_FILE"))
             mutated = mutate_config(
                 task_config(task, source),
-                load_fleet(os.environ.get("GPUDOOR_FLEET_FILE")),
+                fleet,
                 interactive=user_request.request_name == AdminPolicyRequestName.CLUSTER_LAUNCH
                 or cluster_name.startswith(INTERACTIVE_PREFIXES),
                 user=None if user_request.at_client_side or not user_request.user else user_request.user.name,
                 at_client_side=user_request.at_client_side,
                 source=source,
+                usage=_live_usage(user_request, fleet),
             )
+        except PoolFull as e:
+            raise sky.exceptions.UserRequestRejectedByPolicy(e.refusal()) from None
         except LaunchConfigError as e:
             raise sky.exceptions.UserRequestRejectedByPolicy(str(e)) from None
         new_task = sky.Task.from_yaml_config(mutated)

@@ -82,6 +82,7 @@ class FakeSky:
         self.interrupt: BaseException | None = None
         self.preempt_at: set[int] = set()
         self.says: dict[int, list[Any]] = {}
+        self.full_pools: set[str] = set()  # pools the server's policy says are full (launches there are refused)
         self._lock = threading.Lock()
         self.pools: list[dict] = []  # records as sky.jobs.pool_status returns them
         self.clusters: list[dict] = []  # records as sky.cost_report returns them (clusters, torn down or up)
@@ -126,8 +127,15 @@ class FakeSky:
 
     def _launch(self, task: Any, name: str | None = None) -> tuple[list[int], None]:
         with self._lock:
+            self._count("launch")
             job_id = max(self.records, default=0) + 1
             (resources,) = task.resources
+            pool = (resources.labels or {}).get("gpudoor-pool")
+            if pool in self.full_pools:
+                from gpudoor_pipelines.launch.errors import PoolFull
+
+                raise self.exceptions.UserRequestRejectedByPolicy(
+                    PoolFull(pool, "task", "resources.accelerators", "at its cap (1/1 GPUs in use, 1 asked)", "wait").refusal())
             self.launched.append(task)
             self.records[job_id] = Record(job_id, name or task.name, Status.PENDING, dict(resources.labels or {}),
                                           dict(resources.accelerators or {}), f"{task.num_nodes}x[...]", submitted_at=1000.0)  # fmt: skip

@@ -17,6 +17,7 @@ import yaml
 from gpudoor_pipelines.launch.backends import skypilot as skypilot_backend
 from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
 from gpudoor_pipelines.transit.resource import TransitBucketResource
+from tests.conftest import SPECS_DIR
 from tests.launch.fake_sky import FakeSky, Status
 
 
@@ -117,6 +118,41 @@ def test_a_job_never_preempted_has_a_goodput_of_one(tmp_path, fake_sky):
         result = dg.materialize([probe_asset], partition_key="shard-007", instance=instance, resources={"skypilot": _client(tmp_path, fake_sky)})
     md = {k: v.value for k, v in result.asset_materializations_for_node("probe_asset")[0].metadata.items()}
     assert md["recoveries"] == 0 and md["gpu_hours_lost_to_preemption"] == 0 and md["goodput"] == 1.0
+
+
+def _server_counted_fleet(tmp_path: Path) -> str:
+    fleet = yaml.safe_load((SPECS_DIR / "fleet.yaml").read_text())
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump({**fleet, "live_caps": "server"}))
+    return str(path)
+
+
+def test_when_the_server_counts_live_caps_nothing_is_read_before_the_launch(tmp_path, fake_sky):
+    with dg.instance_for_test() as instance:
+        result = dg.materialize([probe_asset], partition_key="shard-007", instance=instance,
+                                resources={"skypilot": _client(tmp_path, fake_sky, fleet_file=_server_counted_fleet(tmp_path))})  # fmt: skip
+    assert result.success
+    # The first request is the launch itself; the queue is read only to watch the job.
+    assert fake_sky.requests.get("pool_status", 0) == 0 and [q["job_ids"] for q in fake_sky.queue_requests] == [[1]] * len(fake_sky.queue_requests)
+
+
+def test_a_pool_the_server_says_is_full_is_routed_around(tmp_path, fake_sky):
+    fake_sky.full_pools = {"onprem"}
+    with dg.instance_for_test() as instance:
+        result = dg.materialize([probe_asset], partition_key="shard-007", instance=instance,
+                                resources={"skypilot": _client(tmp_path, fake_sky, fleet_file=_server_counted_fleet(tmp_path))})  # fmt: skip
+        logs = [e.user_message for e in instance.all_logs(result.run_id)]
+    assert result.success
+    md = result.asset_materializations_for_node("probe_asset")[0].metadata
+    assert md["pool"].value == "inference" and fake_sky.requests["launch"] == 2
+    assert any("The API server says pool 'onprem' is full (at its cap (1/1 GPUs in use, 1 asked)): routing again." in m for m in logs)
+    # Once every pool of the route is full, nothing is launched, and the step says why.
+    fake_sky.full_pools = {"onprem", "inference"}
+    result = dg.materialize([probe_asset], partition_key="shard-007", raise_on_error=False,
+                            resources={"skypilot": _client(tmp_path, fake_sky, fleet_file=_server_counted_fleet(tmp_path))})  # fmt: skip
+    (failure,) = [e for e in result.all_events if e.is_step_failure]
+    text = failure.step_failure_data.user_failure_data.description
+    assert text.startswith("Nothing was launched.") and "at its cap" in text
 
 
 def test_a_retried_step_reattaches_instead_of_launching_again(tmp_path, fake_sky):

@@ -292,3 +292,77 @@ def test_a_raw_task_with_skypilots_own_settings_is_not_refused_for_them(sky):
     config["envs"] = {**(config.get("envs") or {}), "SKYPILOT_API_SERVER_ENDPOINT": "http://127.0.0.1:46580"}
     out = mutate_config(config, load_fleet(), user="alice", at_client_side=False)
     assert out["resources"]["labels"]["gpudoor-pool"] == "inference"
+
+
+def _held(monkeypatch, *, pools: dict[str, int] | None = None, onto_warm_pool: bool = False, consolidated: bool = True):
+    """What the server reads as held now (its own jobs tables, faked: no jobs controller runs here)."""
+    from gpudoor_pipelines.launch import policy
+    from gpudoor_pipelines.launch.routing import Usage
+
+    usage = Usage(gpus=dict(pools or {})) if consolidated else None
+    monkeypatch.setattr(policy, "server_usage", lambda: usage)
+    monkeypatch.setattr(policy, "_onto_warm_pool", lambda: onto_warm_pool)
+
+
+def test_the_server_holds_a_launch_to_what_is_held_now_and_names_the_full_pool(sky, monkeypatch):
+    from gpudoor_pipelines.launch.errors import PoolFull
+
+    config = _spec("train", infra="slurm/h200-ib", labels=OWNER)  # 2 nodes x 8 H200
+    _held(monkeypatch, pools={"h200": 112})
+    assert _apply(sky, config, at_client_side=False).num_nodes == 2  # 112 + 16 = 128: the cap exactly
+    _held(monkeypatch, pools={"h200": 120})
+    with pytest.raises(sky.exceptions.UserRequestRejectedByPolicy) as e:
+        _apply(sky, config, at_client_side=False)
+    full = PoolFull.from_refusal(str(e.value), "train.yaml")
+    assert full is not None and full.pool == "h200" and "at its cap (120/128 GPUs in use, 16 asked)" in str(full)
+
+
+def test_relaunches_after_preemption_and_jobs_onto_warm_pools_are_not_held_to_live_caps(sky, monkeypatch):
+    config = _spec("train", infra="slurm/h200-ib", labels=OWNER)
+    _held(monkeypatch, pools={"h200": 128})
+    # SkyPilot's controller launching the job's cluster again after a preemption: the job was admitted.
+    assert _apply(sky, config, request="jobs.launch_cluster", at_client_side=False).num_nodes == 2
+    _held(monkeypatch, pools={"h200": 128}, onto_warm_pool=True)  # the pool's workers hold the GPUs
+    assert _apply(sky, config, at_client_side=False).num_nodes == 2
+    # A size over the cap is refused whatever is held.
+    config["num_nodes"] = 17
+    with pytest.raises(sky.exceptions.UserRequestRejectedByPolicy, match="over pool 'h200' cap of 128"):
+        _apply(sky, config, at_client_side=False)
+
+
+def test_a_fleet_counting_live_caps_on_the_server_refuses_launches_the_server_cannot_count(sky, monkeypatch, tmp_path):
+    fleet = yaml.safe_load((SPECS_DIR / "fleet.yaml").read_text())
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump({**fleet, "live_caps": "server"}))
+    monkeypatch.setenv("GPUDOOR_FLEET_FILE", str(path))
+    _held(monkeypatch, consolidated=False)
+    config = _spec("eval", infra="k8s/inference-prod", labels=OWNER)
+    with pytest.raises(sky.exceptions.UserRequestRejectedByPolicy, match="live_caps.*consolidation mode"):
+        _apply(sky, config, at_client_side=False)
+    path.write_text(yaml.safe_dump(fleet))  # live_caps: launcher (the default): the launcher counted them
+    assert _apply(sky, config, at_client_side=False).num_nodes == 1
+
+
+def test_the_server_reads_what_running_and_pending_jobs_and_warm_pools_hold(monkeypatch):
+    """From the jobs controller's tables in the server's process: a pending job by the task it was launched with."""
+    from sky.jobs import utils as managed_job_utils
+
+    from gpudoor_pipelines.launch import policy
+
+    pending_task = yaml.safe_dump_all([{"name": "t"}, {"num_nodes": 2, "resources": {
+        "accelerators": "H200:8", "labels": {"gpudoor-pool": "h200", "gpudoor-user": "bob"}}}])  # fmt: skip
+    jobs = [
+        {"job_id": 1, "labels": {"gpudoor-pool": "h200", "gpudoor-user": "alice"}, "accelerators": {"H200": 8}, "resources": "4x[H200:8]"},
+        {"job_id": 2, "labels": None, "accelerators": None, "resources": "-", "user_yaml": pending_task, "task_id": 0},
+        {"job_id": 3, "labels": None, "pool": "gpudoor-caption-1", "resources": "-"},  # on a warm pool
+        {"job_id": 4, "labels": {"team": "x"}, "accelerators": {"L4": 1}, "resources": "1x[L4:1]"},  # not the door's
+    ]
+    pool_yaml = yaml.safe_dump({"resources": {"accelerators": "L4:1", "labels": {"gpudoor-pool": "onprem", "gpudoor-user": "night"}}})
+    monkeypatch.setattr(managed_job_utils, "is_consolidation_mode", lambda: True)
+    monkeypatch.setattr(managed_job_utils, "get_managed_job_queue", lambda **kw: {"jobs": jobs} if kw["skip_finished"] else {})
+    monkeypatch.setattr(policy, "_warm_pools", lambda: [{"status": "READY", "pool_yaml": pool_yaml, "target_num_replicas": 3}])
+    usage = policy.server_usage()
+    assert usage.gpus == {"h200": 32 + 16, "onprem": 3}
+    assert usage.user_gpus == {("alice", "h200"): 32, ("bob", "h200"): 16, ("night", "onprem"): 3}
+    monkeypatch.setattr(managed_job_utils, "is_consolidation_mode", lambda: False)
+    assert policy.server_usage() is None

@@ -7,6 +7,7 @@ never used. Requests return ids, resolved with ``sky.get``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
 import io
@@ -15,7 +16,7 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from gpudoor_pipelines.launch import sky_env
@@ -30,7 +31,7 @@ from gpudoor_pipelines.launch.backends.base import (
     ResolvedJob,
     Service,
 )
-from gpudoor_pipelines.launch.errors import LaunchConfigError
+from gpudoor_pipelines.launch.errors import LaunchConfigError, PoolFull
 from gpudoor_pipelines.launch.routing import Route, Usage
 from gpudoor_pipelines.launch.rules import LABEL_POOL, LABEL_USER
 from gpudoor_pipelines.launch.specs import gpus_per_node
@@ -92,6 +93,9 @@ class _QueueStream(io.TextIOBase):
 
 
 _USAGE_LOCK = threading.Lock()
+#: Reads sent side by side with another one (the warm pools while the queue is read; the launch's usage
+#: read while the step prepares the rest).
+_SIDE_READS = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="gpudoor-sky-read")
 _USAGE_CACHE: dict[str, tuple[float, Usage]] = {}  # endpoint -> (when the read started, usage)
 _USAGE_STALE: dict[str, float] = {}  # endpoint -> when this process last changed what is held
 
@@ -417,20 +421,14 @@ class SkyPilotBackend(Backend):
             _USAGE_STALE[self.endpoint] = time.monotonic()
 
     def _read_usage(self) -> Usage:
+        """The queue and the warm pools, asked side by side (each is a request of seconds on a busy server)."""
         sky = _sky()
+        pools = _SIDE_READS.submit(lambda: self._read(lambda: sky.jobs.pool_status(None)))
         records, *_ = self._read(
             lambda: sky.jobs.queue_v2(refresh=False, skip_finished=True, all_users=True, fields=_QUEUE_FIELDS)
         )
-        held = []
-        for r in records:
-            labels = r.labels or {}
-            if not labels.get(LABEL_POOL):
-                continue
-            nodes = int(m.group(1)) if (m := _NODES.match(r.resources or "")) else 1
-            cpus = int(m.group(1)) if (m := _CPUS.search(r.resources or "")) else 0
-            gpus = sum(int(v) for v in (r.accelerators or {}).values())
-            held.append((labels[LABEL_POOL], labels.get(LABEL_USER, "unknown"), gpus * nodes, cpus * nodes))
-        held.extend(self._pool_workers_held())
+        held = [row for r in records if (row := job_held(r)) is not None]
+        held.extend(pool_workers_held(pools.result() or ()))
         return Usage.tally(held)
 
     def job_history(self, since: float, until: float, *, submitted_after: float | None = None) -> list[JobUsage]:
@@ -508,30 +506,6 @@ class SkyPilotBackend(Backend):
                         ran_s=(now if end is None else float(end)) - float(start),
                     )
                 )  # fmt: skip
-        return out
-
-    def _pool_workers_held(self) -> list[tuple[str, str, int, int]]:
-        """(pool label, user label, GPUs, vCPUs) of every warm pool's workers, from its task's labels."""
-        import yaml
-
-        from gpudoor_pipelines.launch.specs import parse_accelerators
-
-        sky = _sky()
-        out = []
-        for record in self._read(lambda: sky.jobs.pool_status(None)) or ():
-            status = str(getattr(record.get("status"), "value", record.get("status")))
-            if status in ("SHUTTING_DOWN", "FAILED_CLEANUP"):
-                continue
-            try:
-                resources = (yaml.safe_load(record.get("pool_yaml") or "") or {}).get("resources") or {}
-            except yaml.YAMLError:
-                continue
-            labels = resources.get("labels") or {}
-            if not labels.get(LABEL_POOL):
-                continue
-            workers = int(record.get("target_num_replicas") or 0)
-            gpus = sum(parse_accelerators(resources.get("accelerators")).values())
-            out.append((labels[LABEL_POOL], labels.get(LABEL_USER, "unknown"), workers * gpus, 0))
         return out
 
     # ----------------------------------------------------------------- what is held, and its release
@@ -724,11 +698,82 @@ def _refusals(job: ResolvedJob):
     try:
         yield
     except exceptions.UserRequestRejectedByPolicy as e:
+        full = PoolFull.from_refusal(str(e), job.spec_path or job.name)
+        if full is not None:
+            raise full from None
         raise LaunchConfigError(job.spec_path or job.name, "(admin policy)", f"rejected by the API server's policy: {e}",
                                 "change what the policy names, then relaunch") from None  # fmt: skip
     except (exceptions.ResourcesUnavailableError, ValueError) as e:
         raise LaunchConfigError(job.name, "resources", f"SkyPilot cannot place the job: {e}",
                                 "check the pool's infra and GPUs in task_specs/fleet.yaml") from None  # fmt: skip
+
+
+def _field(r: Any, name: str) -> Any:
+    """A field of a queue record: the SDK's records have attributes, the server's own are dicts."""
+    return r.get(name) if isinstance(r, Mapping) else getattr(r, name, None)
+
+
+def job_held(r: Any, *, launched_task: bool = False) -> tuple[str, str, int, int] | None:
+    """(pool label, user label, GPUs, vCPUs) a managed job of the queue holds, over all its nodes; None for a
+    job without a ``gpudoor-pool`` label, or on a warm pool (its pool's workers hold the GPUs).
+
+    The labels and GPUs are the job's cluster's. A job without a cluster yet (pending) has none in the
+    queue: with ``launched_task`` they come from the task it was launched with (``user_yaml``), else the
+    job is not counted.
+    """
+    if _field(r, "pool"):
+        return None
+    labels = _field(r, "labels") or {}
+    accelerators = _field(r, "accelerators") or {}
+    if launched_task and not labels:
+        task = _launched_task(_field(r, "user_yaml"), _field(r, "task_id"))
+        resources = task.get("resources") if isinstance(task.get("resources"), dict) else {}
+        labels = resources.get("labels") or {}
+        accelerators = gpus_and_count(resources.get("accelerators"))
+        nodes = int(task.get("num_nodes") or 1)
+    else:
+        nodes = int(m.group(1)) if (m := _NODES.match(_field(r, "resources") or "")) else 1
+    if not labels.get(LABEL_POOL):
+        return None
+    cpus = int(m.group(1)) if (m := _CPUS.search(_field(r, "resources") or "")) else 0
+    gpus = sum(int(v) for v in accelerators.values())
+    return labels[LABEL_POOL], labels.get(LABEL_USER, "unknown"), gpus * nodes, cpus * nodes
+
+
+def gpus_and_count(accelerators: Any) -> dict[str, int]:
+    """A task's ``accelerators`` as {type: count}; of several alternatives, the largest count."""
+    from gpudoor_pipelines.launch.specs import parse_accelerators
+
+    counts = parse_accelerators(accelerators)
+    if len(counts) > 1:  # alternatives: the job gets one of them
+        name = max(counts, key=lambda k: counts[k])
+        return {str(name): int(counts[name])}
+    return {str(k): int(v) for k, v in counts.items()}
+
+
+def pool_workers_held(records: Iterable[Mapping[str, Any]]) -> list[tuple[str, str, int, int]]:
+    """(pool label, user label, GPUs, vCPUs) of every warm pool's workers, from its task's labels
+    (records as ``sky.jobs.pool_status`` gives them)."""
+    import yaml
+
+    from gpudoor_pipelines.launch.specs import parse_accelerators
+
+    out = []
+    for record in records:
+        status = str(getattr(record.get("status"), "value", record.get("status")))
+        if status in ("SHUTTING_DOWN", "FAILED_CLEANUP"):
+            continue
+        try:
+            resources = (yaml.safe_load(record.get("pool_yaml") or "") or {}).get("resources") or {}
+        except yaml.YAMLError:
+            continue
+        labels = resources.get("labels") or {}
+        if not labels.get(LABEL_POOL):
+            continue
+        workers = int(record.get("target_num_replicas") or 0)
+        gpus = sum(parse_accelerators(resources.get("accelerators")).values())
+        out.append((labels[LABEL_POOL], labels.get(LABEL_USER, "unknown"), workers * gpus, 0))
+    return out
 
 
 def _launched_task(user_yaml: str | None, task_id: int | None) -> dict:
