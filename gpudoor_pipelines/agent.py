@@ -85,6 +85,7 @@ def launch(
     Raises:
         DoorError: refused before launch (nothing submitted), or the API server cannot be reached.
     """
+    from gpudoor_pipelines.launch.client import submit_routed
     from gpudoor_pipelines.launch.request import LaunchRequest, resolve
     from gpudoor_pipelines.launch.specs import load_spec
 
@@ -106,8 +107,10 @@ def launch(
                 user=client.launching_user(),
                 step=step,
             )
-            job = resolve(request, client.get_fleet(), usage=backend.usage())
-            job_id = backend.submit(job)
+            fleet = client.get_fleet()
+            # Where the API server counts what is held (live_caps: server), nothing is read first.
+            job = resolve(request, fleet, usage=None if fleet.live_caps == "server" else backend.usage())
+            job_id, job = submit_routed(backend, job, request, fleet, lambda line: None)
     except LaunchConfigError as e:
         raise DoorError.of(e) from None
     route = job.route

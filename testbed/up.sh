@@ -184,10 +184,10 @@ EOF
 
 # ---------------------------------------------------------------- slurm
 step "slurm"
-# Four H200s: the bed's h200 and inference pools (two GPUs each) share the partition, and the tests
+# Five H200s: the bed's h200 (three GPUs) and inference (two) pools share the partition, and the tests
 # that use one pool run side by side with those that use the other.
 for n in 0 1; do touch "$BED_DEV/l4-$n"; done
-for n in 0 1 2 3; do touch "$BED_DEV/h200-$n"; done
+for n in 0 1 2 3 4; do touch "$BED_DEV/h200-$n"; done
 chmod 666 "$BED_DEV"/*
 HOST_SHORT="$(hostname -s)"
 SLURM_CHANGED=0
@@ -226,7 +226,7 @@ JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 NodeName=bed-l4 NodeHostname=$HOST_SHORT NodeAddr=127.0.0.1 Port=6818 CPUs=16 RealMemory=64000 Gres=gpu:l4:2 State=UNKNOWN
-NodeName=bed-h200 NodeHostname=$HOST_SHORT NodeAddr=127.0.0.1 Port=6819 CPUs=16 RealMemory=64000 Gres=gpu:h200:4 State=UNKNOWN
+NodeName=bed-h200 NodeHostname=$HOST_SHORT NodeAddr=127.0.0.1 Port=6819 CPUs=16 RealMemory=64000 Gres=gpu:h200:5 State=UNKNOWN
 # Time limits keep SkyPilot from warning that jobs may wait behind reservations.
 PartitionName=onprem Nodes=bed-l4 Default=YES DefaultTime=04:00:00 MaxTime=1-00:00:00 State=UP
 PartitionName=h200 Nodes=bed-h200 DefaultTime=04:00:00 MaxTime=1-00:00:00 State=UP
@@ -236,7 +236,7 @@ write_if_changed "$SLURM_CONF_DIR/gres.conf" 644 <<EOF && SLURM_CHANGED=1
 # Written by gpudoor testbed/up.sh.
 AutoDetect=off
 NodeName=bed-l4 Name=gpu Type=l4 File=$BED_DEV/l4-[0-1]
-NodeName=bed-h200 Name=gpu Type=h200 File=$BED_DEV/h200-[0-3]
+NodeName=bed-h200 Name=gpu Type=h200 File=$BED_DEV/h200-[0-4]
 EOF
 if [[ -f "$SLURM_CONF_DIR/cgroup.conf" ]]; then
   mv "$SLURM_CONF_DIR/cgroup.conf" "$SLURM_CONF_DIR/cgroup.conf.disabled-by-testbed"

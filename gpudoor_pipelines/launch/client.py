@@ -242,6 +242,29 @@ def _side_read(read: Callable[[], Usage]) -> concurrent.futures.Future[Usage]:
     return future
 
 
+def submit_routed(
+    backend: Backend, job: ResolvedJob, request: LaunchRequest, fleet: Fleet, log: Callable[[str], None]
+) -> tuple[str, ResolvedJob]:
+    """Submits ``job`` (``request`` resolved); when the API server says its pool is full, reads what is
+    held, counts the refused pools as full whatever the read says, and submits to the next pool the
+    route allows. Returns the job id and the job as submitted.
+
+    Raises:
+        LaunchConfigError: the server refused the job for another reason, or no pool has room.
+    """
+    full: set[str] = set()
+    while True:
+        assert job.route is not None
+        log(f"Launching {job.name} on pool '{job.pool}' ({job.route.infra}, {job.route.describe()}) "
+            f"through the {backend.name} backend: {job.route.reason}.")  # fmt: skip
+        try:
+            return backend.submit(job), job
+        except PoolFull as e:
+            full.add(e.pool)
+            log(f"The API server says pool '{e.pool}' is full ({e.problem}): routing again.")
+            job = resolve(request, fleet, usage=_full(backend.usage(), fleet, full))
+
+
 def _full(usage: Usage, fleet: Fleet, pools: set[str]) -> Usage:
     """``usage`` with ``pools`` held to their caps: the API server said they are full, whatever was read."""
     gpus = {**usage.gpus, **{p: fleet.pools[p].gpu_cap for p in pools if p in fleet.pools}}
@@ -582,19 +605,8 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
                     f"Re-attaching to job {old_id}, still {state.value}, instead of launching a second one."
                 )
                 return old_id, job
-        full: set[str] = set()
-        while True:
-            assert job.route is not None
-            context.log.info(f"Launching {job.name} on pool '{job.pool}' ({job.route.infra}, {job.route.describe()}) "
-                             f"through the {backend.name} backend: {job.route.reason}.")  # fmt: skip
-            try:
-                job_id = backend.submit(job)
-                break
-            except PoolFull as e:
-                full.add(e.pool)
-                context.log.info(f"The API server says pool '{e.pool}' is full ({e.problem}): routing again.")
-                with _nothing_launched():
-                    job = resolve(request, fleet, usage=_full(backend.usage(), fleet, full))
+        with _nothing_launched():
+            job_id, job = submit_routed(backend, job, request, fleet, context.log.info)
         context.instance.add_run_tags(context.run.run_id, {tag_key: f"{backend.name}:{job_id}"})
         context.log.info(f"Submitted job {job_id}.")
         return job_id, job
