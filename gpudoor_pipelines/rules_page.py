@@ -110,6 +110,12 @@ def _routes(fleet: Fleet) -> list[str]:
         "first pool that can run the job wins. An explicit pool (`--pool`, the `gpudoor/pool` run tag) or infra",
         "(`--infra`, or the task's own `infra` naming a pool of the fleet) wins over every route.",
         "",
+        "What running jobs hold is counted by "
+        + ("the API server's policy (`live_caps: server`): the launcher routes without reading it, and tries the next "
+           "pool when the server says one is full." if fleet.live_caps == "server" else
+           "the launcher before every launch (`live_caps: launcher`), and again by the API server's policy where it "
+           "can see the jobs (a consolidated jobs controller)."),
+        "",
         "### By step",
         "",
         "The step comes from the launcher: the asset's step, `--step`, or the task's own `gpudoor-step` label.",
