@@ -170,6 +170,16 @@ def test_a_job_killed_mid_shard_resumes_without_recaptioning(tmp_path):
     rows = pd.concat(frames)
     assert len(rows) == 12 and rows["image_uri"].is_unique
     assert night.materialized() == {shard}
+    # The shard's materialization says its job was interrupted once, and what was done again (the work of
+    # the killed job after its last part); the run's summary counts it and its goodput.
+    (event,) = night.instance.get_event_records(
+        dg.EventRecordsFilter(dg.DagsterEventType.ASSET_MATERIALIZATION, asset_key=dg.AssetKey("caption_shards"))
+    )
+    md = {k: v.value for k, v in event.asset_materialization.metadata.items()}
+    assert md["interruptions"] == 1 and md["gpu_hours_lost_to_interruptions"] > 0
+    logs = [e.user_message for e in night.instance.all_logs(result.run_id)]
+    (summary,) = [m for m in logs if m.startswith("Captioning: ")]
+    assert "'jobs_interrupted': 1" in summary and "'goodput': 0." in summary
 
 
 def test_a_night_that_reaches_its_end_stops_launching_and_the_next_night_finishes(tmp_path):

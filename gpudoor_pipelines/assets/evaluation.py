@@ -84,7 +84,7 @@ class CheckpointEvals(PackedRun):
         )
         if "seconds" in message:
             metadata["seconds"] = float(message["seconds"])
-        metadata.update(self.job_share(rank, float(message.get("seconds") or 0.0)))
+        metadata.update(self.job_share(item, rank, float(message.get("seconds") or 0.0)))
         if message.get("state") == "already done":
             metadata["note"] = "evaluated before this run"
         self.context.log_event(

@@ -61,7 +61,7 @@ class CaptionNight(PackedRun):
                 metadata[name] = message[key]
         if message.get("skipped_images"):
             metadata["skipped_images"] = dg.MetadataValue.json(list(message["skipped_images"]))
-        metadata.update(self.job_share(rank, float(message.get("seconds") or 0.0)))
+        metadata.update(self.job_share(item, rank, float(message.get("seconds") or 0.0)))
         if message.get("state") == "already done":
             metadata["note"] = f"already captioned by {self.model}"
         self.context.log_event(

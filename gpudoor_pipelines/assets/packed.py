@@ -26,7 +26,8 @@ from typing import Any
 import dagster as dg
 
 from gpudoor_pipelines.launch.backends.base import ResolvedJob
-from gpudoor_pipelines.launch.client import PipesSkyPilotClient
+from gpudoor_pipelines.launch.client import BatchResult, PipesSkyPilotClient
+from gpudoor_pipelines.launch.goodput import DURABLE_AT
 from gpudoor_pipelines.launch.request import LaunchRequest, slug
 from gpudoor_pipelines.transit.bucket import TransitBucket
 
@@ -56,6 +57,11 @@ class PackedReport:
     gpu_hours: float = 0.0
     cost_usd: float = 0.0
     no_gpu: str = ""
+    #: Jobs that stopped before finishing their items (preempted, killed, failed): their items went to a
+    #: later wave, resuming at their last save.
+    jobs_interrupted: int = 0
+    #: GPU-hours of work those jobs did after their last save, done again by the later wave.
+    gpu_hours_lost: float = 0.0
 
     def to_metadata(self, noun: str = "items") -> dict[str, Any]:
         """A summary for the run's log and metadata."""
@@ -69,6 +75,9 @@ class PackedReport:
             "workers_max": self.max_workers,
             "gpu_hours": round(self.gpu_hours, 6),
             "cost_usd_estimate": round(self.cost_usd, 6),
+            "jobs_interrupted": self.jobs_interrupted,
+            "gpu_hours_lost_to_interruptions": round(self.gpu_hours_lost, 6),
+            "goodput": round(1.0 - self.gpu_hours_lost / self.gpu_hours, 4) if self.gpu_hours > 0 else 1.0,
         }
 
 
@@ -126,6 +135,7 @@ class PackedRun(abc.ABC):
         self._waits = 0
         self._job: ResolvedJob | None = None
         self._job_ids: list[str] = []
+        self._lost: dict[str, tuple[int, float]] = {}  # item -> (interruptions, seconds of work lost)
 
     # ------------------------------------------------------------------ what a subclass says
     @abc.abstractmethod
@@ -189,11 +199,15 @@ class PackedRun(abc.ABC):
         self.report.max_workers = max(self.report.max_workers, workers)
         rank_of = {item: rank for rank, group in enumerate(groups) for item in group}
         outcome: dict[str, Mapping[str, Any]] = {}
+        saved: dict[int, tuple[float, str]] = {}  # rank -> (its job's last save, the item it was on)
         field = self.item_field
 
         def on_message(message: Any) -> None:
             if not isinstance(message, Mapping) or message.get(field) not in rank_of:
                 return
+            rank = rank_of[message[field]]
+            if isinstance(message.get(DURABLE_AT), int | float) and message[DURABLE_AT] >= saved.get(rank, (0.0, ""))[0]:
+                saved[rank] = (float(message[DURABLE_AT]), message[field])
             state = message.get("state")
             if state == "done":
                 outcome[message[field]] = message
@@ -229,6 +243,7 @@ class PackedRun(abc.ABC):
         for record in result.records():
             self.report.gpu_hours += record.gpu_hours
             self.report.cost_usd += record.cost_usd
+        self._count_lost(result, groups, outcome, saved)
         still = []
         # A job that ended without a message for an item (a message lost, a job killed): what the job
         # published is the truth, read with few requests whatever the number of such items.
@@ -257,20 +272,44 @@ class PackedRun(abc.ABC):
         return still
 
     # ------------------------------------------------------------------ pieces
+    def _count_lost(self, result: BatchResult, groups: list[list[str]], outcome: Mapping[str, Mapping[str, Any]],
+                    saved: Mapping[int, tuple[float, str]]) -> None:  # fmt: skip
+        """What the jobs that stopped before finishing lost: the work since their last save (or their start),
+        charged to the item they were on (the one of their last save, else their first unfinished one)."""
+        gpus = result.job.route.total_gpus if result.job.route else 0.0
+        for rank in result.failed_ranks:
+            info = result.infos[rank]
+            if info.started_at is None:
+                continue  # never ran: nothing done, nothing lost
+            end = info.ended_at or self.clock()
+            last, on = saved.get(rank, (0.0, ""))
+            lost_s = max(0.0, end - max(last, info.started_at))
+            unfinished = [i for i in groups[rank] if outcome.get(i, {}).get("state") != "done"]
+            item = on if on in unfinished else (unfinished[0] if unfinished else "")
+            self.report.jobs_interrupted += 1
+            self.report.gpu_hours_lost += gpus * lost_s / 3600.0
+            if item:
+                count, seconds = self._lost.get(item, (0, 0.0))
+                self._lost[item] = (count + 1, seconds + lost_s)
+
     def _done(self, item: str, message: Mapping[str, Any], rank: int) -> None:
         self.report.done.append(item)
         self.materialize(item, message, rank)
 
-    def job_share(self, rank: int | None, seconds: float) -> dict[str, Any]:
-        """Where an item ran and its share of its job's GPU time and cost (the seconds spent on it)."""
+    def job_share(self, item: str, rank: int | None, seconds: float) -> dict[str, Any]:
+        """Where an item ran and its share of its job's GPU time and cost (the seconds spent on it); for an item
+        whose job stopped before finishing it, how often and the GPU-hours of work done again."""
         if rank is None or self._job is None or self._job.route is None:
             return {}
         route = self._job.route
+        interrupted, lost_s = self._lost.get(item, (0, 0.0))
+        lost = {"interruptions": interrupted, "gpu_hours_lost_to_interruptions": round(route.total_gpus * lost_s / 3600.0, 6)}
         return dict(
             job_id=self._job_ids[rank], job_rank=rank, worker_pool=self.pool_name, pool=self._job.pool,
             infra=route.infra, accelerators=route.accelerators or "none (CPU-only)",
             gpu_hours=round(route.total_gpus * seconds / 3600.0, 6),
             cost_usd_estimate=round(route.usd_per_hour * seconds / 3600.0, 6),
+            **(lost if interrupted else {}),
         )  # fmt: skip
 
     def _window_over(self) -> bool:
