@@ -22,7 +22,6 @@ import contextlib
 import dataclasses
 import functools
 import getpass
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -94,12 +93,13 @@ class LaunchRecord:
         assert job.route is not None
         queued = info.started_at - info.submitted_at if info.started_at and info.submitted_at else None
         running = info.ended_at - info.started_at if info.ended_at and info.started_at else 0.0
-        return cls(preemptions=preemptions,
+        return cls(
             job_id=info.job_id, job_name=info.name or job.name, backend=backend, pool=job.pool,
             infra=info.infra or job.route.infra, accelerators=job.route.accelerators, num_nodes=job.num_nodes,
             route=job.route.reason, status=info.state.value, recoveries=info.recoveries, queued_s=queued,
             running_s=running, gpu_hours=job.route.total_gpus * running / 3600.0,
             cost_usd=job.route.usd_per_hour * running / 3600.0, policy=job.notes, task_spec=job.spec_path,
+            preemptions=preemptions,
         )  # fmt: skip
 
     def to_metadata(self) -> dict[str, Any]:
@@ -228,18 +228,8 @@ def _results_are_reported_by_the_caller(context: dg.AssetExecutionContext) -> No
     context.op_execution_context._step_execution_context._requires_typed_event_stream = False  # noqa: SLF001
 
 
-def _side_read(read: Callable[[], Usage]) -> concurrent.futures.Future[Usage]:
-    """``read()`` started in a thread of its own; its result (or its error) when asked."""
-    future: concurrent.futures.Future[Usage] = concurrent.futures.Future()
-
-    def target() -> None:
-        try:
-            future.set_result(read())
-        except BaseException as e:  # noqa: BLE001 - handed to whoever asks for the result
-            future.set_exception(e)
-
-    threading.Thread(target=target, name="gpudoor-usage-read", daemon=True).start()
-    return future
+#: The launches' reads of what is held, each started with its step's health check and Pipes session.
+_USAGE_READS = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="gpudoor-usage-read")
 
 
 def submit_routed(
@@ -558,7 +548,7 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
             fleet = self.get_fleet()
             # What is held is read side by side with the health check and the Pipes session's setup; not at
             # all when the API server counts it (``live_caps: server``).
-            usage = None if fleet.live_caps == "server" else _side_read(backend.usage)
+            usage = None if fleet.live_caps == "server" else _USAGE_READS.submit(backend.usage)
             backend.check()
         bucket = self.transit.get_bucket()
         with dg.open_pipes_session(
