@@ -18,15 +18,16 @@ dev: $(STAMP)
 	DAGSTER_HOME=$${DAGSTER_HOME:-$$HOME/.gpudoor/dagster_home} $(VENV)/bin/dagster dev -h 127.0.0.1 -p 3000
 
 # The Slurm tests mostly wait on the test bed's managed jobs: they run side by side with the rest, in one
-# lane; the preempted training (minutes of waiting for SkyPilot to recover it) runs once the rest is done,
-# beside that lane. More at once starves the 2-core machine: the bed's job controllers and the rest slow down.
+# lane, and the preempted training (minutes of waiting while SkyPilot recovers it) in a lane of its own.
+# More Slurm lanes starve the 2-core machine: the bed's job controllers and the rest slow down.
 SLOW_SLURM := tests/slurm/test_preemption_on_slurm.py
 test: $(STAMP)
 	@$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests/slurm --ignore=$(SLOW_SLURM) > .pytest-slurm.log 2>&1 & slurm=$$!; \
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider $(SLOW_SLURM) > .pytest-slurm-slow.log 2>&1 & slow=$$!; \
 	$(VENV)/bin/python -m pytest -q --ignore=tests/slurm; rest=$$?; \
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider $(SLOW_SLURM); slow=$$?; \
-	wait $$slurm; slurm_rc=$$?; echo "== tests/slurm (ran side by side)"; cat .pytest-slurm.log; \
-	exit $$(( rest != 0 || slow != 0 || slurm_rc != 0 ))
+	wait $$slurm; slurm_rc=$$?; wait $$slow; slow_rc=$$?; \
+	echo "== tests/slurm (ran side by side)"; cat .pytest-slurm.log .pytest-slurm-slow.log; \
+	exit $$(( rest != 0 || slurm_rc != 0 || slow_rc != 0 ))
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check gpudoor_pipelines workloads tests benchmarks

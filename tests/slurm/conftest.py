@@ -9,6 +9,7 @@ every test that uses it.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shlex
@@ -154,30 +155,38 @@ def _rebind_sky_client_state(mp: pytest.MonkeyPatch) -> None:
     skypilot_config.reload_config()
 
 
+def _bring_up() -> None:
+    """testbed/up.sh then testbed/node_env.sh (needs root: skips the test otherwise)."""
+    if os.geteuid() != 0:
+        pytest.skip("Slurm test bed is not up and testbed/up.sh needs root")
+    started = time.time()
+    # The bed runs the project's admin policy, as a team's API server does.
+    env = {"GPUDOOR_TESTBED_ADMIN_POLICY": "gpudoor_pipelines.launch.policy.GpuDoorPolicy", **os.environ}
+    proc = subprocess.run(
+        ["bash", "-c", f"bash {TESTBED_DIR / 'up.sh'} && bash {TESTBED_DIR / 'node_env.sh'}"],
+        capture_output=True,
+        text=True,
+        timeout=UP_TIMEOUT_S,
+        env=env,
+    )
+    if proc.returncode != 0:
+        pytest.fail(
+            f"testbed/up.sh failed (exit {proc.returncode}, {time.time() - started:.0f}s)\n"
+            f"--- stderr\n{proc.stderr[-6000:]}\n--- stdout\n{proc.stdout[-2000:]}",
+            pytrace=False,
+        )
+
+
 @pytest.fixture(scope="session")
 def testbed() -> Testbed:
     """The running test bed; brings it up first when needed."""
     if os.environ.get("GPUDOOR_SKIP_SLURM") == "1":
         pytest.skip("GPUDOOR_SKIP_SLURM=1: Slurm test bed disabled")
-    if not _bed_is_up():
-        if os.geteuid() != 0:
-            pytest.skip("Slurm test bed is not up and testbed/up.sh needs root")
-        started = time.time()
-        # The bed runs the project's admin policy, as a team's API server does.
-        env = {"GPUDOOR_TESTBED_ADMIN_POLICY": "gpudoor_pipelines.launch.policy.GpuDoorPolicy", **os.environ}
-        proc = subprocess.run(
-            ["bash", "-c", f"bash {TESTBED_DIR / 'up.sh'} && bash {TESTBED_DIR / 'node_env.sh'}"],
-            capture_output=True,
-            text=True,
-            timeout=UP_TIMEOUT_S,
-            env=env,
-        )
-        if proc.returncode != 0:
-            pytest.fail(
-                f"testbed/up.sh failed (exit {proc.returncode}, {time.time() - started:.0f}s)\n"
-                f"--- stderr\n{proc.stderr[-6000:]}\n--- stdout\n{proc.stdout[-2000:]}",
-                pytrace=False,
-            )
+    # `make test` runs two Slurm lanes: the first to get here brings the bed up, the other waits for it.
+    with open(TESTBED_DIR / ".bring-up.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _bed_is_up():
+            _bring_up()
     env = parse_env_file(ENV_FILE)
     with pytest.MonkeyPatch.context() as mp:
         for key, value in env.items():
