@@ -451,7 +451,8 @@ def main() -> int:
                 report = ShardProgress(task).final("stopped", f"{job.window_reason()} before it started")
             else:
                 report = caption_shard(job, task)
-            reporter.report_custom_message(report)
+            # A shard done is saved: its manifest is in the bucket.
+            reporter.report_custom_message(saved("shard", **report) if report["state"] == "done" else report)
             states.append(report["state"])
         counts = ", ".join(f"{states.count(s)} {s}" for s in ("done", "stopped", "failed"))
         say(f"job {settings.rank + 1}/{settings.num_jobs}: {counts}")

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 from gpudoor_pipelines.transit.bucket import bucket_for_uri, join, read_bytes, write_bytes
 from workloads.checkpoints import checkpoint_file_uri
 from workloads.config import ConfigError, env_int, env_str, run_main
-from workloads.reporting import open_reporting
+from workloads.reporting import open_reporting, saved
 
 if TYPE_CHECKING:
     import torch
@@ -357,7 +357,8 @@ def main_batch() -> int:
         states: list[str] = []
         for task in settings.checkpoints:
             report = evaluate_task(evaluator, task)
-            reporter.report_custom_message(report)
+            # A checkpoint evaluated is saved: its metrics are in the bucket.
+            reporter.report_custom_message(saved("metrics", **report) if report["state"] == "done" else report)
             states.append(report["state"])
         say(f"{job}: {states.count('done')} done, {states.count('failed')} failed")
         return 1 if "failed" in states else 0

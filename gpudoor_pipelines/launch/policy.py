@@ -211,7 +211,10 @@ def _onto_warm_pool() -> bool:
     from sky.server.requests import requests as api_requests
     from sky.utils import common_utils
 
-    request = api_requests.get_request(common_utils.get_current_request_id(), fields=["request_body"])
+    try:
+        request = api_requests.get_request(common_utils.get_current_request_id(), fields=["request_body"])
+    except Exception:  # noqa: BLE001 - unknown: the launch is held to the caps, which is the safe side
+        return False
     return bool(getattr(getattr(request, "request_body", None), "pool", None))
 
 

@@ -137,7 +137,9 @@ def test_a_job_scores_each_of_its_checkpoints(eval_batch):
     assert [m["checkpoint"] for m in messages] == [e["checkpoint"] for e in entries]
     for entry, message in zip(entries, messages, strict=True):
         metrics = _metrics(entry["output_uri"])
-        assert set(message) == {"checkpoint", "state", "metrics", "seconds"}
+        # A checkpoint done is a save (its metrics are in the bucket): the message says when.
+        assert set(message) == {"checkpoint", "state", "metrics", "seconds", "saved", "durable_at"}
+        assert message["saved"] == "metrics" and isinstance(message["durable_at"], float)
         assert message["state"] == "done" and message["metrics"] == metrics
         assert message["seconds"] > 0
         assert metrics["checkpoint_uri"] == entry["checkpoint_uri"]
@@ -182,12 +184,14 @@ def test_a_scored_checkpoint_is_not_scored_again(eval_batch):
     messages = eval_batch["again_messages"]
     assert [m["checkpoint"] for m in messages] == [e["checkpoint"] for e in entries]
     for entry, message in zip(entries, messages, strict=True):
+        assert isinstance(message.pop("durable_at"), float)
         assert message == {
             "checkpoint": entry["checkpoint"],
             "state": "done",
             "metrics": _metrics(entry["output_uri"]),
             "seconds": 0.0,
             "reused": True,
+            "saved": "metrics",
         }
         assert f"{entry['checkpoint']}: already evaluated" in again.stdout
     assert eval_batch["before"].keys() == {storage.join(e["output_uri"], "metrics.json") for e in entries}

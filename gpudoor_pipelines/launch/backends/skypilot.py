@@ -93,8 +93,7 @@ class _QueueStream(io.TextIOBase):
 
 
 _USAGE_LOCK = threading.Lock()
-#: Reads sent side by side with another one (the warm pools while the queue is read; the launch's usage
-#: read while the step prepares the rest).
+#: Reads sent side by side with another one (the warm pools while the queue is read).
 _SIDE_READS = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="gpudoor-sky-read")
 _USAGE_CACHE: dict[str, tuple[float, Usage]] = {}  # endpoint -> (when the read started, usage)
 _USAGE_STALE: dict[str, float] = {}  # endpoint -> when this process last changed what is held
@@ -729,7 +728,7 @@ def job_held(r: Any, *, launched_task: bool = False) -> tuple[str, str, int, int
         task = _launched_task(_field(r, "user_yaml"), _field(r, "task_id"))
         resources = task.get("resources") if isinstance(task.get("resources"), dict) else {}
         labels = resources.get("labels") or {}
-        accelerators = gpus_and_count(resources.get("accelerators"))
+        accelerators = _task_gpus(resources.get("accelerators"))
         nodes = int(task.get("num_nodes") or 1)
     else:
         nodes = int(m.group(1)) if (m := _NODES.match(_field(r, "resources") or "")) else 1
@@ -740,11 +739,15 @@ def job_held(r: Any, *, launched_task: bool = False) -> tuple[str, str, int, int
     return labels[LABEL_POOL], labels.get(LABEL_USER, "unknown"), gpus * nodes, cpus * nodes
 
 
-def gpus_and_count(accelerators: Any) -> dict[str, int]:
-    """A task's ``accelerators`` as {type: count}; of several alternatives, the largest count."""
+def _task_gpus(accelerators: Any) -> dict[str, int]:
+    """A launched task's ``accelerators`` as {type: count}; of several alternatives, the largest count (none
+    for a value the door cannot read: the server had accepted it, so it is SkyPilot's, not a door task's)."""
     from gpudoor_pipelines.launch.specs import parse_accelerators
 
-    counts = parse_accelerators(accelerators)
+    try:
+        counts = parse_accelerators(accelerators)
+    except (LaunchConfigError, ValueError, TypeError):
+        return {}
     if len(counts) > 1:  # alternatives: the job gets one of them
         name = max(counts, key=lambda k: counts[k])
         return {str(name): int(counts[name])}
