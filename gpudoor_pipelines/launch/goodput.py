@@ -12,7 +12,7 @@ The step watching the job knows two things, and this module turns them into figu
   step looks at least every ``max_poll_interval_s`` while a job runs, so a preemption is dated at
   most that late: the lost figure is an upper bound by that much per preemption.
 - when work was last saved: the ``durable_at`` times (UNIX seconds, the job's clock) of the Pipes
-  custom messages the job sent after each save (``workloads.reporting.durable``). A job that sends
+  custom messages the job sent after each save (``workloads.reporting.saved``). A job that sends
   none loses, on each preemption, everything since its last (re)start.
 
 Goodput is useful GPU-hours ÷ GPU-hours held, useful being held minus lost.
@@ -26,7 +26,7 @@ from typing import Any
 
 from gpudoor_pipelines.launch.backends.base import JobInfo, JobState
 
-#: The key of a Pipes custom message's save time (see ``workloads.reporting.durable``).
+#: The key of a Pipes custom message's save time (see ``workloads.reporting.saved``).
 DURABLE_AT = "durable_at"
 _RUNS_AGAIN = {JobState.RECOVERING, JobState.PENDING, JobState.STARTING}
 

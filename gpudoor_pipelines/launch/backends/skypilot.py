@@ -723,35 +723,20 @@ def job_held(r: Any, *, launched_task: bool = False) -> tuple[str, str, int, int
     if _field(r, "pool"):
         return None
     labels = _field(r, "labels") or {}
-    accelerators = _field(r, "accelerators") or {}
+    accelerators = _field(r, "accelerators")
     if launched_task and not labels:
         task = _launched_task(_field(r, "user_yaml"), _field(r, "task_id"))
         resources = task.get("resources") if isinstance(task.get("resources"), dict) else {}
         labels = resources.get("labels") or {}
-        accelerators = _task_gpus(resources.get("accelerators"))
+        accelerators = resources.get("accelerators")
         nodes = int(task.get("num_nodes") or 1)
     else:
         nodes = int(m.group(1)) if (m := _NODES.match(_field(r, "resources") or "")) else 1
     if not labels.get(LABEL_POOL):
         return None
     cpus = int(m.group(1)) if (m := _CPUS.search(_field(r, "resources") or "")) else 0
-    gpus = sum(int(v) for v in accelerators.values())
+    gpus = gpus_per_node(accelerators)
     return labels[LABEL_POOL], labels.get(LABEL_USER, "unknown"), gpus * nodes, cpus * nodes
-
-
-def _task_gpus(accelerators: Any) -> dict[str, int]:
-    """A launched task's ``accelerators`` as {type: count}; of several alternatives, the largest count (none
-    for a value the door cannot read: the server had accepted it, so it is SkyPilot's, not a door task's)."""
-    from gpudoor_pipelines.launch.specs import parse_accelerators
-
-    try:
-        counts = parse_accelerators(accelerators)
-    except (LaunchConfigError, ValueError, TypeError):
-        return {}
-    if len(counts) > 1:  # alternatives: the job gets one of them
-        name = max(counts, key=lambda k: counts[k])
-        return {str(name): int(counts[name])}
-    return {str(k): int(v) for k, v in counts.items()}
 
 
 def pool_workers_held(records: Iterable[Mapping[str, Any]]) -> list[tuple[str, str, int, int]]:
