@@ -13,7 +13,11 @@ Submission (``--repeat`` times each):
 Those jobs are cancelled once submitted.
 
 End to end (``--e2e``), one 5-second task each, from the call to the job's end:
-- the door: asset start to materialization (managed job: recovery and cancel included);
+- the door, managed job: asset start to materialization (SkyPilot recovers it, cancel from anywhere);
+- the door, the step launched as a cluster (the fleet's ``launch_as``, as the smoke test is): asset start
+  to materialization; the door relaunches it after a preemption, cancel tears it down, the orphan
+  reconciler catches it if the step dies. Its ``sky.down`` is sent when the job ends and not waited
+  for: the time until the cluster is gone is printed beside it;
 - bare managed job: ``sky.jobs.launch`` polled until it ends;
 - launch, tail, down, the pattern of other orchestrator integrations: ``sky.launch`` on a cluster,
   ``sky.tail_logs``, ``sky.down`` (no recovery: a preempted cluster is a failed step).
@@ -100,15 +104,26 @@ def launch_tail_down(infra: str) -> float:
     return time.perf_counter() - start
 
 
-def fleet_file(tmp: Path, live_caps: str) -> Path:
+def fleet_file(tmp: Path, live_caps: str, launch_as: str = "managed") -> Path:
     fleet = yaml.safe_load((REPO / "testbed" / "fleet.yaml").read_text())
-    path = tmp / f"fleet-{live_caps}.yaml"
-    path.write_text(yaml.safe_dump({**fleet, "live_caps": live_caps}))
+    path = tmp / f"fleet-{live_caps}-{launch_as}.yaml"
+    path.write_text(yaml.safe_dump({**fleet, "live_caps": live_caps, "launch_as": {"caption": launch_as}}))
     return path
 
 
-def through_resource(endpoint: str, specs: Path, transit_root: Path, fleet: Path, *, end_to_end: bool = False) -> float:
-    marks: dict[str, float] = {}
+def cluster_gone_after(started: float, job_id: str) -> float:
+    """Seconds from ``started`` until the job's step cluster is gone from ``sky.status``."""
+    import sky
+
+    cluster = job_id.split("/")[0]
+    while sky.get(sky.status(cluster_names=[cluster], all_users=True)):
+        time.sleep(1)
+    return time.perf_counter() - started
+
+
+def through_resource(endpoint: str, specs: Path, transit_root: Path, fleet: Path, *, end_to_end: bool = False,
+                     marks: dict | None = None) -> float:
+    marks = {} if marks is None else marks
 
     @dg.asset
     def bench(context: dg.AssetExecutionContext, skypilot: PipesSkyPilotClient) -> dg.MaterializeResult:
@@ -118,7 +133,7 @@ def through_resource(endpoint: str, specs: Path, transit_root: Path, fleet: Path
 
         def timed_submit(job):
             job_id = submit(job)
-            marks["submitted"] = time.perf_counter()
+            marks["submitted"], marks["job_id"] = time.perf_counter(), job_id
             if not end_to_end:
                 cancel_and_wait([int(job_id)])
             return job_id
@@ -178,11 +193,17 @@ def main() -> int:
         if args.e2e:
             ltd = launch_tail_down(infra)
             managed = bare_end_to_end(infra)
-            door = through_resource(endpoint, _specs(root, SHORT_RUN), transit, server, end_to_end=True)
+            short = _specs(root, SHORT_RUN)
+            door = through_resource(endpoint, short, transit, server, end_to_end=True)
+            marks: dict = {}
+            clustered = through_resource(endpoint, short, transit, fleet_file(root, "server", "cluster"), end_to_end=True, marks=marks)
+            gone = cluster_gone_after(marks["start"], marks["job_id"])
             print("end to end, a 5-second task, once each:")
             print(f"  sky.launch + tail_logs + sky.down          : {ltd:6.2f} s")
             print(f"  bare sky.jobs.launch, polled to its end    : {managed:6.2f} s  ({managed / ltd:.2f}x launch-tail-down)")
             print(f"  door (managed job), asset -> materialized  : {door:6.2f} s  ({door / ltd:.2f}x launch-tail-down, {door / managed:.2f}x bare managed)")
+            print(f"  door (step cluster), asset -> materialized : {clustered:6.2f} s  ({clustered / ltd:.2f}x launch-tail-down); "
+                  f"its cluster gone {gone:6.2f} s after asset start ({gone / ltd:.2f}x)")
     return 0
 
 

@@ -6,7 +6,7 @@ the door launches for a Dagster run carries that run's id (``dagster-run-id``, s
 deployment's key), so the run can be asked. :func:`plan_releases` is pure: from what the backend holds
 and what the Dagster instance knows of the runs named, it says what to release and why:
 
-- a job or warm pool whose run has ended (succeeded, failed, canceled) more than the grace period ago;
+- a job, warm pool or step cluster (``gpudoor-step-…``, a step the fleet launches as a cluster) whose run has ended (succeeded, failed, canceled) more than the grace period ago;
 - one that names a run this instance does not know, once it is older than the grace period;
 - a job that names a live run which never recorded launching it (a replayed label), after the grace period;
 - an interactive cluster (``lab-…``, ``dev-…``) past its time to live (the fleet's, or its launch's own).
@@ -29,6 +29,7 @@ from gpudoor_pipelines.launch.rules import (
     LABEL_POOL,
     LABEL_RUN_ID,
     LABEL_TTL,
+    STEP_CLUSTER_PREFIX,
     identity_verified,
 )
 
@@ -111,7 +112,7 @@ def plan_releases(
             continue  # another Dagster deployment's: its own reconciler judges it
         since = h.since if h.since is not None else seen.get(h.key, now)
         age = max(0.0, now - since)
-        if h.kind == "cluster":
+        if _interactive(h):
             ttl = _ttl_hours(h, policy) * 3600.0
             if age > ttl:
                 out.append(Release(h, f"past its time to live of {ttl / 3600:g} h (up {_minutes(age)})"))
@@ -149,9 +150,16 @@ def _launched_by(h: Holding, run_id: str, run: RunFacts) -> bool:
     a warm pool named after it."""
     if h.kind == "pool":
         return h.id.endswith(slug(run_id, 8))
+    if h.kind == "cluster":  # a step cluster: its step recorded ``<cluster>/<job id>``
+        return not run.job_ids or any(j.split("/", 1)[0] == h.id for j in run.job_ids)
     return not run.job_ids or h.id in run.job_ids
+
+
+def _interactive(h: Holding) -> bool:
+    """A ``lab-…``/``dev-…`` cluster, kept for its time to live; a step cluster lives as long as its run."""
+    return h.kind == "cluster" and not h.id.startswith(STEP_CLUSTER_PREFIX)
 
 
 def named_runs(holdings: Sequence[Holding], label_key: str | None) -> list[str]:
     """The run ids the holdings name (signed where a key is set), each once."""
-    return sorted({r for h in holdings if h.kind != "cluster" and (r := claimed_run(h, label_key))})
+    return sorted({r for h in holdings if not _interactive(h) and (r := claimed_run(h, label_key))})

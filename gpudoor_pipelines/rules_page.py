@@ -125,6 +125,15 @@ def _routes(fleet: Fleet) -> list[str]:
         ["step", "pools, in order"],
         [(f"`{s}`", " → ".join(f"`{p}`" for p in ps)) for s, ps in fleet.routes.items()],
     )
+    clustered = [s for s, how in fleet.launch_as.items() if how == "cluster"]
+    if clustered:
+        out += [
+            f"Launched as a cluster of its own (`launch_as`): {', '.join(f'`{s}`' for s in clustered)}. Such a step gets a",
+            "cluster (`gpudoor-step-…`) that is torn down when its job ends; the step launches it again after a",
+            "preemption, and the orphan reconciler tears it down once its run has ended. A launch outside a Dagster",
+            "run (`gpudoor launch`) is a managed job all the same.",
+            "",
+        ]
     out += [
         "### Without a step: by GPU",
         "",

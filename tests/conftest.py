@@ -36,8 +36,10 @@ def _isolated_homes(tmp_path_factory, monkeypatch):
 def _forget_process_state() -> None:
     from gpudoor_pipelines.launch import watch
     from gpudoor_pipelines.launch.backends import skypilot as skypilot_backend
+    from gpudoor_pipelines.launch.backends import step_clusters
 
     watch._HUBS.clear()
+    step_clusters._STEPS.clear()
     skypilot_backend._USAGE_CACHE.clear()
     skypilot_backend._USAGE_STALE.clear()
 

@@ -100,6 +100,23 @@ def test_interactive_clusters_go_after_their_time_to_live_their_own_within_the_f
     assert "time to live of 12 h" in plan["lab-old"] and "0.5 h" in plan["dev-short"] and "72 h" in plan["lab-greedy"]
 
 
+def test_a_step_cluster_lives_as_long_as_its_run_not_for_a_time_to_live():
+    """A step launched as a cluster (``gpudoor-step-…``) is judged like a job: by its run, whatever its age."""
+    runs = {
+        "live-run": RunFacts("STARTED", job_ids=frozenset({"gpudoor-step-smoke-live-ab12/1"})),
+        "ended-run": RunFacts("FAILURE", ended_at=NOW - 3600),
+    }
+    holdings = [
+        _job("gpudoor-step-smoke-live-ab12", "live-run", age_s=30 * 3600, kind="cluster"),  # older than any TTL
+        _job("gpudoor-step-smoke-ended-cd34", "ended-run", age_s=120, kind="cluster"),
+        _job("gpudoor-step-smoke-replayed-ef56", "live-run", kind="cluster"),  # names a live run that did not launch it
+    ]
+    plan = _plan(holdings, runs)
+    assert set(plan) == {"gpudoor-step-smoke-ended-cd34", "gpudoor-step-smoke-replayed-ef56"}
+    assert "ended-run ended FAILURE 60 min ago" in plan["gpudoor-step-smoke-ended-cd34"]
+    assert "did not launch it" in plan["gpudoor-step-smoke-replayed-ef56"]
+
+
 def test_a_holding_without_a_time_is_aged_from_when_the_reconciler_first_saw_it():
     pool = Holding("pool", "gpudoor-eval-x", labels={**DOOR, "dagster-run-id": "gone"})
     assert _plan([pool], {}) == {}  # first seen now

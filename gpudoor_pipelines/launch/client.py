@@ -86,10 +86,13 @@ class LaunchRecord:
     policy: tuple[str, ...]
     task_spec: str
     preemptions: PreemptionCost | None = None
+    launched_as: str = "job"
 
     @classmethod
-    def of(cls, job: ResolvedJob, info: JobInfo, backend: str, preemptions: PreemptionCost | None = None) -> LaunchRecord:
-        """The record of a finished job (with what its preemptions cost, when the step watched it)."""
+    def of(cls, job: ResolvedJob, info: JobInfo, backend: str, preemptions: PreemptionCost | None = None,
+           launched_as: str = "job") -> LaunchRecord:
+        """The record of a finished job (with what its preemptions cost, when the step watched it);
+        ``launched_as``: ``job``, or ``cluster`` for a step the fleet launches as a cluster of its own."""
         assert job.route is not None
         queued = info.started_at - info.submitted_at if info.started_at and info.submitted_at else None
         running = info.ended_at - info.started_at if info.ended_at and info.started_at else 0.0
@@ -99,7 +102,7 @@ class LaunchRecord:
             route=job.route.reason, status=info.state.value, recoveries=info.recoveries, queued_s=queued,
             running_s=running, gpu_hours=job.route.total_gpus * running / 3600.0,
             cost_usd=job.route.usd_per_hour * running / 3600.0, policy=job.notes, task_spec=job.spec_path,
-            preemptions=preemptions,
+            preemptions=preemptions, launched_as=launched_as,
         )  # fmt: skip
 
     def to_metadata(self) -> dict[str, Any]:
@@ -108,6 +111,7 @@ class LaunchRecord:
             "job_id": self.job_id,
             "job_name": self.job_name,
             "backend": self.backend,
+            "launched_as": self.launched_as,
             "pool": self.pool,
             "infra": self.infra,
             "accelerators": self.accelerators or "none (CPU-only)",
@@ -571,7 +575,8 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
                                ended_at=time.time(), ran_s=info.ran_s)  # fmt: skip
         if cost.preemptions:
             context.log.warning(_preemption_summary(job_id, cost))
-        return SkyPilotInvocation(session, LaunchRecord.of(job, info, backend.name, cost))
+        launched_as = backend.holding_of(job_id).kind
+        return SkyPilotInvocation(session, LaunchRecord.of(job, info, backend.name, cost, launched_as=launched_as))
 
     def _reattach_or_submit(
         self, context: dg.AssetExecutionContext, backend: Backend, job: ResolvedJob, request: LaunchRequest, fleet: Fleet
@@ -646,8 +651,10 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
         finally:
             hub.unwatch([job_id])
             follower.close()
+        tail = [redact(line) for line in backend.log_tail(job_id, 30)] if info.state.is_failure else []
+        if said := backend.finish(job_id):  # a step cluster, torn down once its log tail is read
+            context.log.info(said)
         if info.state.is_failure:
-            tail = [redact(line) for line in backend.log_tail(job_id, 30)]
             err = JobFailed(
                 job_id, info.state.value, info.detail or FAILURE_MEANING.get(info.state, ""), tail
             )
@@ -675,7 +682,7 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
 
     def _cancel_and_wait(self, context: dg.AssetExecutionContext, backend: Backend, job_id: str) -> None:
         """Cancels the job and verifies the release (see :meth:`_release_verified`)."""
-        self._release_verified(context, backend, [Holding("job", job_id)])
+        self._release_verified(context, backend, [backend.holding_of(job_id)])
 
     def _release_verified(self, context: dg.AssetExecutionContext, backend: Backend, holdings: list[Holding]) -> None:
         """Releases jobs (or a warm pool) and looks until nothing is held (the job terminal, its cluster gone,

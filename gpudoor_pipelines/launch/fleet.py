@@ -234,6 +234,11 @@ class Fleet(BaseModel):
             server's policy counts it (it must run this package's policy with the jobs controller in
             consolidation mode, or it refuses every launch); the launcher routes without reading it and,
             when the server says a pool is full, reads it then and tries the next pool.
+        launch_as: how each step kind is launched on SkyPilot: ``managed`` (the default: a managed job,
+            which SkyPilot's jobs controller recovers after a preemption) or ``cluster`` (for short steps
+            such as the smoke test: ``sky.launch`` of a cluster of its own, its log followed, the cluster
+            torn down once the job ends; the step itself relaunches it after a preemption). A managed
+            job spends some 20 to 30 s more in the jobs controller than a cluster launched and torn down.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -250,6 +255,7 @@ class Fleet(BaseModel):
     reconciler: ReconcilerPolicy = Field(default_factory=ReconcilerPolicy)
     secrets: tuple[str, ...] = ()
     live_caps: Literal["launcher", "server"] = "launcher"
+    launch_as: dict[str, Literal["managed", "cluster"]] = Field(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod
@@ -267,6 +273,10 @@ class Fleet(BaseModel):
         for field, name in where:
             if name not in self.pools:
                 raise _FieldError(field, f"unknown pool '{name}'", f"use one of {sorted(self.pools)}{did_you_mean(name, self.pools)}")
+        for step in self.launch_as:
+            if step not in self.routes:
+                raise _FieldError(f"launch_as.{step}", f"unknown step '{step}'",
+                                  f"use a step named under routes: {sorted(self.routes)}{did_you_mean(step, self.routes)}")
         if not self.default_cost_owner and self.cost_owners:
             object.__setattr__(self, "default_cost_owner", self.cost_owners[0])
         if self.cost_owners and self.default_cost_owner not in self.cost_owners:

@@ -37,6 +37,7 @@ from gpudoor_pipelines.launch.routing import Usage, route  # noqa: E402
 from gpudoor_pipelines.launch.rules import (  # noqa: E402
     LABEL_KEY_ENV,
     LABEL_POOL,
+    STEP_CLUSTER_PREFIX,
     TRANSIT_SECRET_NAMES,
     Injected,
     LaunchContext,
@@ -180,12 +181,14 @@ def server_usage() -> Usage | None:
     from sky.jobs import utils as managed_job_utils
 
     from gpudoor_pipelines.launch.backends.skypilot import job_held, pool_workers_held
+    from gpudoor_pipelines.launch.backends.step_clusters import clusters_held
 
     if not managed_job_utils.is_consolidation_mode():
         return None
     queue = managed_job_utils.get_managed_job_queue(skip_finished=True, fields=list(_SERVER_QUEUE_FIELDS))
     held = [row for r in queue.get("jobs") or () if (row := job_held(r, launched_task=True)) is not None]
     held.extend(pool_workers_held(_warm_pools()))
+    held.extend(clusters_held(_step_clusters()))
     return Usage.tally(held)
 
 
@@ -204,6 +207,14 @@ def _warm_pools() -> list[dict[str, Any]]:
     return out
 
 
+def _step_clusters() -> list[dict[str, Any]]:
+    """The door's step clusters (``gpudoor-step-…``), as the server's cluster table has them."""
+    from sky import global_user_state
+
+    return [r for r in global_user_state.get_clusters(exclude_managed_clusters=True)
+            if str(r.get("name") or "").startswith(STEP_CLUSTER_PREFIX)]  # fmt: skip
+
+
 def _onto_warm_pool() -> bool:
     """Whether the managed-job launch being checked goes onto a warm pool (``sky.jobs.launch(pool=...)``):
     its jobs run on the pool's workers, whose GPUs were counted when the pool was made. The policy is
@@ -218,6 +229,17 @@ def _onto_warm_pool() -> bool:
     return bool(getattr(getattr(request, "request_body", None), "pool", None))
 
 
+def _held_to_caps(user_request: sky.UserRequest) -> bool:
+    """A managed-job launch, or the launch of a door step cluster (a step the fleet launches as a cluster)."""
+    if user_request.request_name == AdminPolicyRequestName.JOBS_LAUNCH:
+        return True
+    return user_request.request_name == AdminPolicyRequestName.CLUSTER_LAUNCH and _cluster_name(user_request).startswith(STEP_CLUSTER_PREFIX)
+
+
+def _cluster_name(user_request: sky.UserRequest) -> str:
+    return getattr(user_request.request_options, "cluster_name", None) or ""
+
+
 def _live_usage(user_request: sky.UserRequest, fleet: Fleet) -> Usage | None:
     """What is held now, for the caps of a managed-job launch checked on the server; None for anything
     else (clusters, pools, a job's own relaunch after a preemption, a check on the client).
@@ -226,7 +248,7 @@ def _live_usage(user_request: sky.UserRequest, fleet: Fleet) -> Usage | None:
         LaunchConfigError: the fleet says the server counts live usage (``live_caps: server``) and it
             cannot (its jobs controller is not in consolidation mode).
     """
-    if user_request.at_client_side or user_request.request_name != AdminPolicyRequestName.JOBS_LAUNCH:
+    if user_request.at_client_side or not _held_to_caps(user_request):
         return None
     usage = server_usage()
     if usage is not None and _onto_warm_pool():
@@ -249,15 +271,17 @@ class GpuDoorPolicy(sky.AdminPolicy):
         """Rewrites the task with the fleet rules, or rejects it saying what to change."""
         if user_request.request_name in CONTROLLER_REQUESTS:
             return sky.MutatedUserRequest(user_request.task, user_request.skypilot_config)
-        task, options = user_request.task, user_request.request_options
-        cluster_name = getattr(options, "cluster_name", None) or ""
+        task = user_request.task
+        cluster_name = _cluster_name(user_request)
         source = f"task '{task.name}'" if task.name else "the unnamed task"
         try:
             fleet = load_fleet(os.environ.get("GPUDOOR_FLEET_FILE"))
             mutated = mutate_config(
                 task_config(task, source),
                 fleet,
-                interactive=user_request.request_name == AdminPolicyRequestName.CLUSTER_LAUNCH
+                # A cluster is interactive (autostop, a time to live), unless it is a door step cluster.
+                interactive=(user_request.request_name == AdminPolicyRequestName.CLUSTER_LAUNCH
+                             and not cluster_name.startswith(STEP_CLUSTER_PREFIX))
                 or cluster_name.startswith(INTERACTIVE_PREFIXES),
                 user=None if user_request.at_client_side or not user_request.user else user_request.user.name,
                 at_client_side=user_request.at_client_side,

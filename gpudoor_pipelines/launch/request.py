@@ -158,7 +158,17 @@ def resolve(request: LaunchRequest, fleet: Fleet, *, usage: Usage | None = None)
         notes=ruled.notes,
         secret_names=ruled.secret_names,
         spec_path=spec.path,
+        launch_as=_launch_as(request, fleet, step, identity),
     )
+
+
+def _launch_as(request: LaunchRequest, fleet: Fleet, step: str | None, identity: dict[str, str]) -> str:
+    """The fleet's ``launch_as`` for the step, for steps of a Dagster run only: a step cluster needs the step
+    to tear it down when its job ends, and the orphan reconciler to find its run if the step dies. A launch
+    outside a run (a person, an agent) and a service (a demo) are never step clusters."""
+    if request.cluster_name or not identity.get("dagster/run-id"):
+        return "managed"
+    return fleet.launch_as.get(step or "", "managed")
 
 
 def _workdir(spec: TaskSpec) -> str:

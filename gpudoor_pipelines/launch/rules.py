@@ -48,6 +48,9 @@ LABEL_KEY_ENV = "GPUDOOR_LABEL_KEY"
 #: The transit bucket's credentials, which the launcher (or the server) passes to every job as secrets.
 TRANSIT_SECRET_NAMES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 POOL_ENV = "GPUDOOR_POOL"
+#: The clusters the launcher starts for steps launched as clusters (the fleet's ``launch_as``): torn down
+#: when their job ends, by the orphan reconciler once their run has ended, never kept for a time to live.
+STEP_CLUSTER_PREFIX = "gpudoor-step-"
 PRIORITY_FIELD = "config.kubernetes.pod_config.spec.priorityClassName"
 
 def _label_key(dagster_key: str) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import threading
+import time
 import types
 from typing import Any
 
@@ -89,6 +90,11 @@ class FakeSky:
         self.cost_report = lambda days=None: list(self.clusters)
         self.up: list[dict] = []  # records as sky.status returns them (clusters up now)
         self.requests: dict[str, int] = {}  # every request by name (queue_v2, pool_status, status, ...)
+        # Clusters launched with ``sky.launch`` (the door's step clusters): each has its job 1, 2, ...
+        self.cluster_launches: list[tuple[str, Any]] = []  # (cluster name, task) of every sky.launch
+        self.cluster_exit = 0  # what ``sky.tail_logs`` of a cluster's job returns (0 succeeded, 100 failed)
+        self.lose_clusters = 0  # the next n clusters' allocations are lost while their job runs (preempted)
+        self.status_interrupt_after: int | None = None  # raise ``interrupt`` from the n-th sky.status of named clusters
         self.jobs = types.SimpleNamespace(launch=self._launch, queue_v2=self._queue_v2, tail_logs=self._tail_logs, cancel=self._cancel,
                                           pool_status=self._pool_status, pool_down=self._pool_down)  # fmt: skip
         self.server = types.SimpleNamespace(common=types.SimpleNamespace(get_server_url=lambda: endpoint))
@@ -107,6 +113,11 @@ class FakeSky:
     def status(self, cluster_names: list[str] | None = None, all_users: bool = False, **_: Any) -> list[dict]:
         """``sky.status``: the clusters that are up."""
         self._count("status")
+        if cluster_names is not None and self.status_interrupt_after is not None:  # a step looking at its cluster
+            self.status_interrupt_after -= 1
+            if self.status_interrupt_after <= 0:
+                self.status_interrupt_after = None
+                raise self.interrupt or KeyboardInterrupt()
         return [c for c in self.up if cluster_names is None or c["name"] in cluster_names]
 
     def down(self, cluster_name: str) -> None:
@@ -115,6 +126,39 @@ class FakeSky:
         if not any(c["name"] == cluster_name for c in self.up):
             raise self.exceptions.ClusterDoesNotExist(cluster_name)
         self.up = [c for c in self.up if c["name"] != cluster_name]
+
+    def launch(self, task: Any, cluster_name: str, retry_until_up: bool = False, **_: Any) -> tuple[int, None]:
+        """``sky.launch``: the cluster is up, its job submitted (job ids count per cluster, from 1)."""
+        with self._lock:
+            self._count("cluster_launch")
+            (resources,) = task.resources
+            handle = types.SimpleNamespace(launched_nodes=task.num_nodes, launched_resources=types.SimpleNamespace(
+                labels=dict(resources.labels or {}), accelerators=dict(resources.accelerators or {})))  # fmt: skip
+            self.up.append({"name": cluster_name, "status": "UP", "handle": handle, "launched_at": 1000.0})
+            self.cluster_launches.append((cluster_name, task))
+            return sum(1 for name, _ in self.cluster_launches if name == cluster_name), None
+
+    def api_cancel(self, request_ids: Any, silent: bool = False) -> None:
+        self._count("api_cancel")
+
+    def tail_logs(self, cluster_name: str, job_id: int, follow: bool = True, tail: int = 0, output_stream=None) -> int:
+        """``sky.tail_logs`` of a cluster's job: its lines, then its exit code (a lost cluster's stream breaks)."""
+        output_stream.write(f"cluster {cluster_name} job {job_id} says hello\n")
+        if follow and self.lose_clusters:
+            self.lose_clusters -= 1
+            seen = self.requests.get("status", 0)
+            for _ in range(500):  # it runs until the step has looked at it twice, then its allocation is lost
+                if self.requests.get("status", 0) >= seen + 2:
+                    break
+                time.sleep(0.01)
+            self.up = [c for c in self.up if c["name"] != cluster_name]  # the allocation is gone
+            return 100
+        output_stream.write(f"cluster {cluster_name} job {job_id} is done\n")
+        return self.cluster_exit
+
+    def job_status(self, cluster_name: str, job_ids: list[int]) -> dict[int, Any]:
+        self._count("job_status")
+        return {i: "FAILED" if self.cluster_exit else "SUCCEEDED" for i in job_ids}
 
     def get(self, request: Any) -> Any:
         """The SDK's requests return ids resolved by ``sky.get``; here they are the results themselves."""

@@ -6,6 +6,7 @@ Every rule has an accepting and a rejecting case; the mutated task still validat
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import yaml
@@ -330,6 +331,21 @@ def test_relaunches_after_preemption_and_jobs_onto_warm_pools_are_not_held_to_li
         _apply(sky, config, at_client_side=False)
 
 
+def test_a_step_cluster_is_held_to_what_is_held_now_and_is_not_interactive(sky, monkeypatch):
+    """A step the fleet launches as a cluster (``gpudoor-step-…``) holds GPUs like a job: the caps count it,
+    and it gets no autostop or time to live (its step tears it down, or the reconciler once its run ends)."""
+    config = _spec("smoke", infra="slurm/h200-ib", labels=OWNER)
+    _held(monkeypatch, pools={"h200": 127})
+    task = _apply(sky, config, request="launch", cluster_name="gpudoor-step-smoke-1-ab12", at_client_side=False)
+    assert "gpudoor-interactive" not in _resources(task).labels and _resources(task).autostop_config is None
+    _held(monkeypatch, pools={"h200": 128})
+    with pytest.raises(sky.exceptions.UserRequestRejectedByPolicy, match=r"\[gpudoor: pool full\] pool 'h200'"):
+        _apply(sky, config, request="launch", cluster_name="gpudoor-step-smoke-1-ab12", at_client_side=False)
+    # Any other cluster is interactive and not held to what is held now (its size is checked).
+    task = _apply(sky, config, request="launch", cluster_name="lab-smoke", at_client_side=False)
+    assert _resources(task).labels["gpudoor-interactive"] == "true"
+
+
 def test_a_fleet_counting_live_caps_on_the_server_refuses_launches_the_server_cannot_count(sky, monkeypatch, tmp_path):
     fleet = yaml.safe_load((SPECS_DIR / "fleet.yaml").read_text())
     path = tmp_path / "fleet.yaml"
@@ -361,8 +377,12 @@ def test_the_server_reads_what_running_and_pending_jobs_and_warm_pools_hold(monk
     monkeypatch.setattr(managed_job_utils, "is_consolidation_mode", lambda: True)
     monkeypatch.setattr(managed_job_utils, "get_managed_job_queue", lambda **kw: {"jobs": jobs} if kw["skip_finished"] else {})
     monkeypatch.setattr(policy, "_warm_pools", lambda: [{"status": "READY", "pool_yaml": pool_yaml, "target_num_replicas": 3}])
+    # A step the fleet launches as a cluster of its own (the smoke test): its cluster holds its GPUs.
+    smoke = types.SimpleNamespace(launched_nodes=1, launched_resources=types.SimpleNamespace(
+        labels={"gpudoor-pool": "h200", "gpudoor-user": "carol"}, accelerators={"H200": 1}))  # fmt: skip
+    monkeypatch.setattr(policy, "_step_clusters", lambda: [{"name": "gpudoor-step-smoke-1-ab12", "status": "UP", "handle": smoke}])
     usage = policy.server_usage()
-    assert usage.gpus == {"h200": 32 + 16, "onprem": 3}
-    assert usage.user_gpus == {("alice", "h200"): 32, ("bob", "h200"): 16, ("night", "onprem"): 3}
+    assert usage.gpus == {"h200": 32 + 16 + 1, "onprem": 3}
+    assert usage.user_gpus == {("alice", "h200"): 32, ("bob", "h200"): 16, ("carol", "h200"): 1, ("night", "onprem"): 3}
     monkeypatch.setattr(managed_job_utils, "is_consolidation_mode", lambda: False)
     assert policy.server_usage() is None

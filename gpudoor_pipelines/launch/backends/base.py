@@ -75,6 +75,8 @@ class ResolvedJob:
         notes: what the fleet rules did, in words.
         secret_names: names of the secrets the job gets (values are in ``config``).
         spec_path: the task spec it came from.
+        launch_as: ``managed`` (a managed job) or ``cluster`` (a cluster of its own, torn down when the job
+            ends), from the fleet's ``launch_as``; backends without the distinction ignore it.
     """
 
     name: str
@@ -88,6 +90,7 @@ class ResolvedJob:
     notes: tuple[str, ...] = ()
     secret_names: tuple[str, ...] = ()
     spec_path: str = ""
+    launch_as: str = "managed"
 
     @property
     def secrets(self) -> dict[str, str]:
@@ -295,6 +298,15 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def log_tail(self, job_id: str, lines: int = 30) -> list[str]:
         """The last lines of the job's log."""
+
+    def holding_of(self, job_id: str) -> Holding:
+        """What a job of this backend holds, to release and check (its job; a backend may say its cluster)."""
+        return Holding("job", job_id)
+
+    def finish(self, job_id: str) -> str | None:
+        """Called once a job has ended and its log tail was read: gives back what the job's end does not
+        (a step cluster); returns what it did, in words, or None."""
+        return None
 
     @abc.abstractmethod
     def cancel(self, job_id: str) -> None:

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from gpudoor_pipelines.launch import sky_env
+from gpudoor_pipelines.launch.backends import step_clusters
 from gpudoor_pipelines.launch.backends.base import (
     Backend,
     Holding,
@@ -246,7 +247,12 @@ class SkyPilotBackend(Backend):
         return task
 
     def submit(self, job: ResolvedJob) -> str:
-        """``sky.jobs.launch`` of the job; returns the managed job id."""
+        """``sky.jobs.launch`` of the job; returns the managed job id. A job the fleet launches as a cluster
+        (``launch_as``) goes to :mod:`step_clusters` instead (its id is ``<cluster>/<id>``)."""
+        if job.launch_as == "cluster":
+            job_id = step_clusters.launch(self, job)
+            self._forget_usage()
+            return job_id
         sky = _sky()
         with _refusals(job):
             job_ids, _ = sky.get(sky.jobs.launch(self.build_task(job), name=job.name))
@@ -266,11 +272,21 @@ class SkyPilotBackend(Backend):
         raise KeyError(f"no managed job {job_id} on {self.endpoint}")
 
     def status(self, job_id: str) -> JobInfo:
-        """The managed job's record from ``sky.jobs.queue_v2``."""
+        """The managed job's record from ``sky.jobs.queue_v2`` (a step cluster's job: see :mod:`step_clusters`)."""
+        if step_clusters.is_step_cluster_job(job_id):
+            info = step_clusters.infos(self, [job_id]).get(job_id)
+            if info is None:
+                raise KeyError(f"no step cluster {step_clusters.cluster_of(job_id)} on {self.endpoint}")
+            return info
         return _info(self._record(int(job_id)))
 
     def statuses(self, job_ids: Sequence[str]) -> dict[str, JobInfo]:
-        """Many managed jobs' records from one ``sky.jobs.queue_v2`` request."""
+        """Many managed jobs' records from one ``sky.jobs.queue_v2`` request (and step clusters' jobs from one
+        ``sky.status``)."""
+        clustered = [i for i in job_ids if step_clusters.is_step_cluster_job(i)]
+        if clustered:
+            managed = [i for i in job_ids if not step_clusters.is_step_cluster_job(i)]
+            return {**step_clusters.infos(self, clustered), **(self.statuses(managed) if managed else {})}
         if not job_ids:
             return {}
         sky = _sky()
@@ -375,7 +391,9 @@ class SkyPilotBackend(Backend):
         return free
 
     def follow_logs(self, job_id: str) -> LogFollower:
-        """Streams ``sky.jobs.tail_logs(follow=True)`` in a thread."""
+        """Streams ``sky.jobs.tail_logs(follow=True)`` in a thread (a step cluster's: ``sky.tail_logs``)."""
+        if step_clusters.is_step_cluster_job(job_id):
+            return step_clusters.follow(self, job_id)
         sky = _sky()
         return _ThreadFollower(
             lambda out: sky.jobs.tail_logs(job_id=int(job_id), follow=True, output_stream=out)
@@ -384,16 +402,35 @@ class SkyPilotBackend(Backend):
     def log_tail(self, job_id: str, lines: int = 30) -> list[str]:
         """The last lines of the job's log."""
         sky = _sky()
+        if step_clusters.is_step_cluster_job(job_id):
+            cluster, sky_job_id = step_clusters.cluster_of(job_id), step_clusters.sky_job_of(job_id)
+            return _tail(lambda out: sky.tail_logs(cluster, sky_job_id, follow=False, tail=lines, output_stream=out), lines)
         return _tail(
             lambda out: sky.jobs.tail_logs(job_id=int(job_id), follow=False, tail=lines, output_stream=out),
             lines,
         )
 
     def cancel(self, job_id: str) -> None:
-        """``sky.jobs.cancel`` of the job (returns once the request is accepted)."""
+        """``sky.jobs.cancel`` of the job (returns once the request is accepted); a step cluster is torn down."""
+        if step_clusters.is_step_cluster_job(job_id):
+            step_clusters.release(job_id, wait=True)
+            self._forget_usage()
+            return
         sky = _sky()
         sky.get(sky.jobs.cancel(job_ids=[int(job_id)]))
         self._forget_usage()
+
+    def holding_of(self, job_id: str) -> Holding:
+        """A managed job; a step cluster's job holds its cluster."""
+        return step_clusters.holding(job_id) if step_clusters.is_step_cluster_job(job_id) else Holding("job", job_id)
+
+    def finish(self, job_id: str) -> str | None:
+        """A step cluster is torn down once its job has ended (a managed job's controller does that itself)."""
+        if not step_clusters.is_step_cluster_job(job_id):
+            return None
+        said = step_clusters.finish(job_id)
+        self._forget_usage()
+        return said
 
     def usage(self) -> Usage:
         """GPUs (and CPU-only jobs' vCPUs) held per pool and user label: by unfinished managed jobs, and by
@@ -420,14 +457,17 @@ class SkyPilotBackend(Backend):
             _USAGE_STALE[self.endpoint] = time.monotonic()
 
     def _read_usage(self) -> Usage:
-        """The queue and the warm pools, asked side by side (each is a request of seconds on a busy server)."""
+        """The queue, the warm pools and the clusters (the door's step clusters), asked side by side (each is
+        a request of seconds on a busy server)."""
         sky = _sky()
         pools = _SIDE_READS.submit(lambda: self._read(lambda: sky.jobs.pool_status(None)))
+        clusters = _SIDE_READS.submit(lambda: self._read(lambda: sky.status(all_users=True)))
         records, *_ = self._read(
             lambda: sky.jobs.queue_v2(refresh=False, skip_finished=True, all_users=True, fields=_QUEUE_FIELDS)
         )
         held = [row for r in records if (row := job_held(r)) is not None]
         held.extend(pool_workers_held(pools.result() or ()))
+        held.extend(step_clusters.clusters_held(clusters.result() or ()))
         return Usage.tally(held)
 
     def job_history(self, since: float, until: float, *, submitted_after: float | None = None) -> list[JobUsage]:
@@ -476,12 +516,13 @@ class SkyPilotBackend(Backend):
         return out + self._interactive_clusters(since, until)
 
     def _interactive_clusters(self, since: float, until: float) -> list[JobUsage]:
-        """The ``lab-…``/``dev-…`` clusters with a ``gpudoor-pool`` label that were up between ``since`` and
+        """The ``lab-…``/``dev-…`` clusters and the door's step clusters with a ``gpudoor-pool`` label that were up between ``since`` and
         ``until``, from one ``sky.cost_report`` request (its history keeps torn-down clusters and their
         launched resources, labels included). A cluster is never preempted and recovered: it ran all the
         time it was up."""
         sky = _sky()
         from gpudoor_pipelines.launch.policy import INTERACTIVE_PREFIXES
+        from gpudoor_pipelines.launch.rules import STEP_CLUSTER_PREFIX
 
         now = time.time()
         records = self._read(lambda: sky.cost_report(days=max(1, math.ceil((now - since) / 86400.0) + 1)))
@@ -490,7 +531,7 @@ class SkyPilotBackend(Backend):
             name = str(rec.get("name") or "")
             resources = rec.get("resources")
             labels = {str(k): str(v) for k, v in (getattr(resources, "labels", None) or {}).items()}
-            if not name.startswith(INTERACTIVE_PREFIXES) or not labels.get(LABEL_POOL):
+            if not name.startswith((*INTERACTIVE_PREFIXES, STEP_CLUSTER_PREFIX)) or not labels.get(LABEL_POOL):
                 continue
             gpus = gpus_per_node(getattr(resources, "accelerators", None))
             nodes = int(rec.get("num_nodes") or 1)
@@ -511,10 +552,11 @@ class SkyPilotBackend(Backend):
     def holdings(self) -> list[Holding]:
         """Three requests whatever the numbers: ``sky.jobs.queue_v2`` of every user's unfinished jobs (a
         pool's jobs are its pool's), ``sky.jobs.pool_status`` of every warm pool, and ``sky.status`` of
-        every user's clusters (the ``lab-…``/``dev-…`` ones)."""
+        every user's clusters (the ``lab-…``/``dev-…`` ones and the door's step clusters)."""
         import yaml
 
         from gpudoor_pipelines.launch.policy import INTERACTIVE_PREFIXES
+        from gpudoor_pipelines.launch.rules import STEP_CLUSTER_PREFIX
 
         sky = _sky()
         records, *_ = self._read(
@@ -541,7 +583,7 @@ class SkyPilotBackend(Backend):
             out.append(Holding("pool", str(record.get("name")), labels=labels, state=status, name=str(record.get("name"))))
         for record in self._read(lambda: sky.status(all_users=True)) or ():
             name = str(record.get("name") or "")
-            if not name.startswith(INTERACTIVE_PREFIXES):
+            if not name.startswith((*INTERACTIVE_PREFIXES, STEP_CLUSTER_PREFIX)):
                 continue
             handle = record.get("handle")
             resources = getattr(handle, "launched_resources", None)
@@ -625,7 +667,11 @@ class SkyPilotBackend(Backend):
         return _SkyService(cluster, str(job_id))
 
     def stop_service(self, cluster_name: str) -> bool:
-        """``sky.down`` of the service's cluster."""
+        """``sky.down`` of the service's cluster (a step cluster's job is then never relaunched)."""
+        from gpudoor_pipelines.launch.rules import STEP_CLUSTER_PREFIX
+
+        if cluster_name.startswith(STEP_CLUSTER_PREFIX):
+            return step_clusters.release_cluster(cluster_name, wait=True)
         sky = _sky()
         from sky import exceptions
 

@@ -1,0 +1,332 @@
+"""Steps launched as clusters of their own (the fleet's ``launch_as: {<step>: cluster}``).
+
+For short steps (the smoke test): ``sky.launch`` of a cluster named ``gpudoor-step-…``, the job's log
+followed with ``sky.tail_logs``, ``sky.down`` once the job has ended. That is the launch, tail, down of
+other orchestrators, some 20 to 30 s quicker than a managed job (no jobs controller in between), with
+what a managed job would have given kept by the door:
+
+- **cancel**: the step tears the cluster down and verifies it is gone (as for any release); a run
+  worker that dies leaves a cluster labelled with its run, which the orphan reconciler tears down;
+- **recovery**: the process that launched the cluster follows its log; when the stream ends without
+  the job's end and the cluster is no longer up (its allocation preempted), it launches the same task
+  on the same cluster name again, at most ``MAX_RELAUNCHES`` times, and the step sees RECOVERING and
+  then RUNNING, as for a managed job. A step re-attached from another process sees the job's state,
+  and cannot relaunch it (it does not have the task);
+- **caps**: the API server's policy counts the door's step clusters with its managed jobs.
+
+A job id is ``<cluster>/<job id on the cluster>``; a managed job's id is a number.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from gpudoor_pipelines.launch.backends.base import Holding, JobInfo, JobState, LogFollower, ResolvedJob
+from gpudoor_pipelines.launch.errors import LaunchConfigError
+from gpudoor_pipelines.launch.request import slug
+from gpudoor_pipelines.launch.rules import LABEL_POOL, LABEL_USER, STEP_CLUSTER_PREFIX
+
+if TYPE_CHECKING:
+    from gpudoor_pipelines.launch.backends.skypilot import SkyPilotBackend
+
+#: Relaunches after preemptions, per step (SkyPilot's own FAILOVER recovers a managed job without limit;
+#: a short step preempted three times is better reported than retried on).
+MAX_RELAUNCHES = 3
+# sky.exceptions.JobExitCode: what ``sky.tail_logs(follow=True)`` returns when the job has ended.
+_EXIT_SUCCEEDED, _EXIT_CANCELLED = 0, 103
+_STEPS: dict[str, _Step] = {}
+_LOCK = threading.Lock()
+
+
+def is_step_cluster_job(job_id: str) -> bool:
+    """A job launched as a cluster of its own (``<cluster>/<id>``), not a managed job."""
+    return "/" in str(job_id)
+
+
+def cluster_of(job_id: str) -> str:
+    """The cluster of a step-cluster job id."""
+    return str(job_id).split("/", 1)[0]
+
+
+def sky_job_of(job_id: str) -> int:
+    """The job's id on its cluster."""
+    return int(str(job_id).rsplit("/", 1)[1])
+
+
+def cluster_name(job_name: str) -> str:
+    """``gpudoor-step-<job name>-<4 hex>``: at most 50 characters, unique per launch."""
+    return f"{STEP_CLUSTER_PREFIX}{slug(job_name, 32).lower().strip('-.')}-{uuid.uuid4().hex[:4]}"
+
+
+@dataclasses.dataclass
+class _Step:
+    """What this process knows of one step cluster's job."""
+
+    cluster: str
+    sky_job_id: int
+    task: Any | None  # the sky.Task, to relaunch it; None when adopted from another process
+    launched_at: float  # when the launch was asked for: the cluster holds its GPUs from about then
+    started_at: float | None = None  # when the job was submitted on the cluster
+    state: JobState | None = None  # once decided: the job has ended
+    detail: str = ""
+    recoveries: int = 0
+    relaunching: bool = False
+    released: bool = False  # cancelled or torn down by the door: never relaunched
+    launch_request: Any = None  # the relaunch's request while it waits for GPUs
+    ended_at: float | None = None
+
+    def decide(self, state: JobState, detail: str = "") -> None:
+        if self.state is None:
+            self.state, self.detail, self.ended_at = state, detail, time.time()
+
+    def info(self, job_id: str, listed: Mapping[str, str]) -> JobInfo:
+        if self.state is not None:
+            state = self.state
+        elif self.relaunching:
+            state = JobState.RECOVERING
+        elif self.cluster in listed:
+            state = JobState.RUNNING if listed[self.cluster] == "UP" else JobState.STARTING
+        else:  # gone, and the follower has not said why yet: it is looking (and relaunches a preempted one)
+            state = JobState.RECOVERING
+        started = self.started_at or self.launched_at
+        return JobInfo(job_id=job_id, state=state, name=self.cluster, recoveries=self.recoveries,
+                       submitted_at=self.launched_at, started_at=started, ended_at=self.ended_at,
+                       detail=self.detail, ran_s=(self.ended_at or time.time()) - started)  # fmt: skip
+
+
+def launch(backend: SkyPilotBackend, job: ResolvedJob) -> str:
+    """``sky.launch`` of the job on a new step cluster (returns once the job is submitted on it).
+
+    A launch that fails part-way (no resources, interrupted) has its cluster torn down before the error
+    goes on: nothing half-provisioned stays up.
+    """
+    from gpudoor_pipelines.launch.backends.skypilot import _refusals, _sky
+
+    sky = _sky()
+    cluster, task, asked = cluster_name(job.name), backend.build_task(job), time.time()
+    request_id = None
+    try:
+        with _refusals(job):
+            # Like a managed job, it waits for the pool's GPUs to be free (SkyPilot retries the launch).
+            request_id = sky.launch(task, cluster_name=cluster, retry_until_up=True)
+            sky_job_id, _ = sky.get(request_id)
+    except LaunchConfigError as e:
+        if e.field == "resources":  # SkyPilot could not place it: it may have started provisioning
+            _down_quietly(cluster)
+        raise
+    except BaseException:  # interrupted (the run cancelled) or failed part-way: the server stops trying
+        if request_id is not None:
+            _cancel_request(request_id)
+        _down_quietly(cluster)
+        raise
+    job_id = f"{cluster}/{sky_job_id}"
+    with _LOCK:
+        _STEPS[job_id] = _Step(cluster, int(sky_job_id), task, asked, started_at=time.time())
+    return job_id
+
+
+def infos(backend: SkyPilotBackend, job_ids: Sequence[str]) -> dict[str, JobInfo]:
+    """The jobs' states: what this process decided, else one ``sky.status`` of every undecided cluster."""
+    steps = {}
+    for job_id in job_ids:
+        step = _known(job_id) or _adopt(backend, job_id)
+        if step is not None:
+            steps[job_id] = step
+    undecided = [s.cluster for s in steps.values() if s.state is None and not s.relaunching]
+    listed = backend._clusters(undecided) if undecided else {}
+    return {job_id: step.info(job_id, listed) for job_id, step in steps.items()}
+
+
+def _known(job_id: str) -> _Step | None:
+    with _LOCK:
+        return _STEPS.get(job_id)
+
+
+def _adopt(backend: SkyPilotBackend, job_id: str) -> _Step | None:
+    """A job another process launched (a retried run re-attaching): its state from the server; None when
+    its cluster is gone."""
+    cluster, sky_job_id = cluster_of(job_id), sky_job_of(job_id)
+    if cluster not in backend._clusters([cluster]):
+        return None
+    step = _Step(cluster, sky_job_id, None, time.time())
+    state = _job_state(cluster, sky_job_id)
+    if state is not None and state.is_terminal:
+        step.decide(state)
+    with _LOCK:
+        return _STEPS.setdefault(job_id, step)
+
+
+def _job_state(cluster: str, sky_job_id: int) -> JobState | None:
+    """``sky.job_status`` of the job on its cluster, as a JobState (None when the cluster has no such job)."""
+    from gpudoor_pipelines.launch.backends.skypilot import _sky
+
+    sky = _sky()
+    status = sky.get(sky.job_status(cluster, job_ids=[sky_job_id])).get(sky_job_id)
+    if status is None:
+        return None
+    name = str(getattr(status, "value", status))
+    if name in ("SUCCEEDED", "CANCELLED", "FAILED_SETUP"):
+        return JobState(name)
+    if "FAIL" in name:
+        return JobState.FAILED
+    return JobState.PENDING if name in ("INIT", "PENDING", "SETTING_UP") else JobState.RUNNING
+
+
+def follow(backend: SkyPilotBackend, job_id: str) -> LogFollower:
+    """Follows the job's log in a thread, and decides how it ended (relaunching a preempted one)."""
+    from gpudoor_pipelines.launch.backends.skypilot import _ThreadFollower
+
+    step = _known(job_id) or _adopt(backend, job_id)
+    if step is None:
+        raise KeyError(f"no step cluster {cluster_of(job_id)} on {backend.endpoint}")
+    return _ThreadFollower(lambda out: _follow(backend, step, out))
+
+
+def _follow(backend: SkyPilotBackend, step: _Step, out) -> None:
+    from gpudoor_pipelines.launch.backends.skypilot import _sky
+
+    sky = _sky()
+    while step.state is None:
+        try:
+            code = sky.tail_logs(step.cluster, step.sky_job_id, follow=True, output_stream=out)
+        except Exception as e:  # noqa: BLE001 - the cluster decides below what the end of the stream meant
+            out.write(f"[gpudoor] log stream ended: {type(e).__name__}: {e}\n")
+            code = None
+        if step.released:
+            step.decide(JobState.CANCELLED, "cancelled by the door")
+        elif code == _EXIT_SUCCEEDED:
+            step.decide(JobState.SUCCEEDED)
+        elif code == _EXIT_CANCELLED:
+            step.decide(JobState.CANCELLED, f"cancelled on its cluster {step.cluster}")
+        elif _cluster_up(backend, step.cluster):
+            state = _job_state(step.cluster, step.sky_job_id)
+            if state is None or state.is_terminal:
+                step.decide(state or JobState.FAILED, "" if state else f"cluster {step.cluster} has no job {step.sky_job_id}")
+            else:  # the stream dropped while the job runs: follow it again
+                time.sleep(1.0)
+        else:
+            _relaunch(step, out)
+
+
+def _cluster_up(backend: SkyPilotBackend, cluster: str) -> bool:
+    """Whether the cluster is UP, asking its infra (``refresh``): a preempted allocation shows here first."""
+    from gpudoor_pipelines.launch.backends.skypilot import _sky
+
+    sky = _sky()
+    from sky.utils import common
+
+    records = backend._read(lambda: sky.status(cluster_names=[cluster], refresh=common.StatusRefreshMode.FORCE, all_users=True))
+    return any(str(getattr(r.get("status"), "value", r.get("status"))) == "UP" for r in records or ())
+
+
+def _relaunch(step: _Step, out) -> None:
+    """The cluster was lost under a running job: the same task on the same cluster name, again."""
+    from gpudoor_pipelines.launch.backends.skypilot import _sky
+
+    if step.task is None or step.recoveries >= MAX_RELAUNCHES:
+        why = "it was launched by another process" if step.task is None else f"relaunched {step.recoveries} times already"
+        step.decide(JobState.FAILED_NO_RESOURCE, f"its cluster {step.cluster} was lost (preempted); not relaunched: {why}")
+        return
+    sky = _sky()
+    step.relaunching, step.recoveries = True, step.recoveries + 1
+    out.write(f"[gpudoor] cluster {step.cluster} was lost (preempted): launching it again "
+              f"(recovery {step.recoveries} of at most {MAX_RELAUNCHES})\n")  # fmt: skip
+    try:
+        _down_quietly(step.cluster, wait=True)  # what is left of it (its record, a partial allocation)
+        if not step.released:
+            step.launch_request = sky.launch(step.task, cluster_name=step.cluster, retry_until_up=True)
+            sky_job_id, _ = sky.get(step.launch_request)
+            step.sky_job_id = int(sky_job_id)
+        if step.released:  # cancelled while it was being launched again: it goes at once
+            _down_quietly(step.cluster, wait=True)
+    except Exception as e:  # noqa: BLE001 - the step fails with the reason
+        step.decide(JobState.FAILED_NO_RESOURCE, f"relaunching cluster {step.cluster} failed: {type(e).__name__}: {e}")
+        _down_quietly(step.cluster)
+    finally:
+        step.relaunching, step.launch_request = False, None
+
+
+def release(job_id: str, *, wait: bool) -> None:
+    """Tears the job's cluster down (``sky.down``); ``wait``: until the request is done. The job is never
+    relaunched after this."""
+    release_cluster(cluster_of(job_id), wait=wait)
+
+
+def release_cluster(cluster: str, *, wait: bool) -> bool:
+    """Tears a step cluster down; a job of this process on it is never relaunched after this. Returns whether
+    there was a cluster to tear down."""
+    with _LOCK:
+        steps = [s for s in _STEPS.values() if s.cluster == cluster]
+    for step in steps:
+        step.released = True
+        step.decide(JobState.CANCELLED, "cancelled by the door")
+        if step.launch_request is not None:  # a relaunch still waiting for GPUs: the server stops trying
+            _cancel_request(step.launch_request)
+    return _down_quietly(cluster, wait=wait) is not None
+
+
+def _cancel_request(request_id: Any) -> None:
+    from gpudoor_pipelines.launch.backends.skypilot import _sky
+
+    sky = _sky()
+    with contextlib.suppress(Exception):
+        sky.get(sky.api_cancel(request_id, silent=True))
+
+
+def finish(job_id: str) -> str:
+    """Once the job has ended: ``sky.down`` of its cluster, sent and not waited for (the API server
+    carries it out whether this process lives on or not; the orphan reconciler catches any that is left)."""
+    step = _known(job_id)
+    if step is not None:
+        step.released = True
+    request_id = _down_quietly(cluster_of(job_id))
+    return f"Tearing down cluster {cluster_of(job_id)}" + (f" (request {request_id})." if request_id else ".")
+
+
+def _down_quietly(cluster: str, *, wait: bool = False) -> str | None:
+    """``sky.down`` of the cluster; a cluster that does not exist is fine. Returns the request id."""
+    from gpudoor_pipelines.launch.backends.skypilot import _sky
+
+    sky = _sky()
+    from sky import exceptions
+
+    try:
+        request_id = sky.down(cluster)
+        if wait:
+            sky.get(request_id)
+        return None if request_id is None else str(request_id)
+    except (exceptions.ClusterDoesNotExist, ValueError):
+        return None
+    except Exception:  # noqa: BLE001 - best effort here; the release check or the reconciler looks again
+        return None
+
+
+def holding(job_id: str) -> Holding:
+    """What the job holds: its cluster."""
+    return Holding("cluster", cluster_of(job_id), name=cluster_of(job_id))
+
+
+def clusters_held(records: Iterable[Mapping[str, Any]]) -> list[tuple[str, str, int, int]]:
+    """(pool label, user label, GPUs, vCPUs) of every door step cluster that is up or starting (records as
+    ``sky.status`` or the server's cluster table give them)."""
+    out = []
+    for record in records:
+        name = str(record.get("name") or "")
+        status = str(getattr(record.get("status"), "value", record.get("status")))
+        if not name.startswith(STEP_CLUSTER_PREFIX) or status not in ("UP", "INIT"):
+            continue
+        handle = record.get("handle")
+        resources = getattr(handle, "launched_resources", None)
+        labels = getattr(resources, "labels", None) or {}
+        if not labels.get(LABEL_POOL):
+            continue
+        nodes = int(getattr(handle, "launched_nodes", None) or 1)
+        gpus = sum(float(n) for n in (getattr(resources, "accelerators", None) or {}).values())
+        out.append((str(labels[LABEL_POOL]), str(labels.get(LABEL_USER, "unknown")), int(gpus * nodes), 0))
+    return out

@@ -1,0 +1,50 @@
+"""A step the fleet launches as a cluster of its own (``launch_as``), on the real test bed.
+
+The bed's fleet launches smoke steps as clusters: ``sky.launch`` of a ``gpudoor-step-…`` cluster through
+the bed's API server (admin policy on), the job's log followed, ``sky.down`` once it ends. Nothing is
+faked. It runs in the lane of the preempted training (see the Makefile), which is the shortest.
+"""
+
+import time
+
+import dagster as dg
+import pytest
+import yaml
+
+from gpudoor_pipelines.launch.client import PipesSkyPilotClient
+from tests.slurm.test_client_on_slurm import _logs, _resource
+
+pytestmark = pytest.mark.slurm
+
+
+def test_a_smoke_step_runs_on_a_cluster_of_its_own_which_is_gone_afterwards(testbed, transit, tmp_path, slurm_queue):
+    """The bed's fleet launches smoke steps as clusters (``launch_as``): sky.launch, log, sky.down."""
+    import sky
+
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    (specs / "smoke.yaml").write_text(yaml.safe_dump({"name": "bed-smoke", "resources": {"accelerators": "H200:1"},
+                                                      "run": "echo smoke on $GPUDOOR_POOL; sleep 3; echo smoke done"}))  # fmt: skip
+
+    @dg.asset
+    def smoke_probe(context: dg.AssetExecutionContext, skypilot: PipesSkyPilotClient) -> dg.MaterializeResult:
+        return skypilot.run(context=context, request=skypilot.request(context, "smoke")).get_materialize_result()
+
+    with dg.instance_for_test() as instance:
+        result = dg.materialize([smoke_probe], instance=instance, resources={"skypilot": _resource(testbed, transit, specs)})
+        assert result.success
+        logs = _logs(instance, result.run_id)
+    md = {k: v.value for k, v in result.asset_materializations_for_node("smoke_probe")[0].metadata.items()}
+    cluster = md["job_id"].split("/")[0]
+    assert md["launched_as"] == "cluster" and cluster.startswith("gpudoor-step-") and md["pool"] == "h200"
+    assert any(line.endswith("smoke on h200") for line in logs) and any(line.endswith("smoke done") for line in logs), logs[-30:]
+    assert md["status"] == "SUCCEEDED" and md["recoveries"] == 0
+    # No managed job was launched for it; its cluster is torn down (asked for when the job ended) and its
+    # Slurm allocation with it.
+    records, *_ = sky.get(sky.jobs.queue_v2(refresh=False, all_users=True, fields=["job_id", "labels"]))
+    assert not [r for r in records if (r.labels or {}).get("dagster-run-id") == result.run_id]
+    deadline = time.time() + 180
+    while sky.get(sky.status(cluster_names=[cluster], all_users=True)) and time.time() < deadline:
+        time.sleep(3)
+    assert not sky.get(sky.status(cluster_names=[cluster], all_users=True))
+    assert not [j for j in slurm_queue() if "gpudoor-step" in j["name"]], slurm_queue()
