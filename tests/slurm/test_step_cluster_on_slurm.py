@@ -5,6 +5,8 @@ the bed's API server (admin policy on), the job's log followed, ``sky.down`` onc
 faked. It runs in the lane of the preempted training (see the Makefile), which is the shortest.
 """
 
+import subprocess
+import threading
 import time
 
 import dagster as dg
@@ -48,3 +50,51 @@ def test_a_smoke_step_runs_on_a_cluster_of_its_own_which_is_gone_afterwards(test
         time.sleep(3)
     assert not sky.get(sky.status(cluster_names=[cluster], all_users=True))
     assert not [j for j in slurm_queue() if "gpudoor-step" in j["name"]], slurm_queue()
+
+
+def test_a_preempted_step_cluster_is_launched_again_by_the_step(testbed, transit, tmp_path, slurm_queue):
+    """The Slurm allocation under a running step cluster is cancelled (as a preemption would): the step sees
+    its cluster gone, launches it again, and the job runs to its end on the new allocation."""
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    (specs / "smoke.yaml").write_text(yaml.safe_dump({"name": "bed-smoke", "resources": {"accelerators": "H200:1"},
+                                                      "run": "echo smoke attempt started; sleep 20; echo smoke done"}))  # fmt: skip
+
+    @dg.asset
+    def preempted_smoke(context: dg.AssetExecutionContext, skypilot: PipesSkyPilotClient) -> dg.MaterializeResult:
+        return skypilot.run(context=context, request=skypilot.request(context, "smoke")).get_materialize_result()
+
+    instance = dg.DagsterInstance.ephemeral()
+    preempted: dict = {}
+
+    def preempt_once_running() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            for run in instance.get_runs():
+                if any(e.user_message.endswith("smoke attempt started") for e in instance.all_logs(run.run_id)):
+                    allocations = [j for j in slurm_queue() if "gpudoor-step" in j["name"]]
+                    if allocations:
+                        preempted["allocation"] = allocations[0]["name"]
+                        subprocess.run(["scancel", "--name", allocations[0]["name"]], check=True, timeout=30)
+                        return
+            time.sleep(1)
+
+    preempter = threading.Thread(target=preempt_once_running, daemon=True)
+    preempter.start()
+    result = dg.materialize([preempted_smoke], instance=instance, resources={"skypilot": _resource(testbed, transit, specs)},
+                            raise_on_error=False)  # fmt: skip
+    preempter.join(timeout=5)
+    logs = _logs(instance, result.run_id)
+    assert preempted, "the step ended before its cluster could be preempted:\n" + "\n".join(logs[-40:])
+    assert result.success, "\n".join(logs[-60:])
+    md = {k: v.value for k, v in result.asset_materializations_for_node("preempted_smoke")[0].metadata.items()}
+    cluster = md["job_id"].split("/")[0]
+    assert md["recoveries"] == 1 and md["status"] == "SUCCEEDED"
+    assert any(f"cluster {cluster} was lost (preempted): launching it again" in line for line in logs)
+    assert sum(line.endswith("smoke attempt started") for line in logs) == 2 and any(line.endswith("smoke done") for line in logs)
+    assert any("was preempted 1 time(s) and recovered" in line for line in logs)
+    # Nothing stays held afterwards.
+    deadline = time.monotonic() + 180
+    while any("gpudoor-step" in j["name"] for j in slurm_queue()) and time.monotonic() < deadline:
+        time.sleep(2)
+    assert not any("gpudoor-step" in j["name"] for j in slurm_queue()), slurm_queue()
