@@ -87,9 +87,11 @@ def _pools(fleet: Fleet) -> list[str]:
     ]
     out += ["### What each pool can run", ""]
     out += _table(
-        ["pool", "preemptible", "priority class", "multi-node interconnect", "declared SkyPilot features", "autostop of interactive clusters"],
+        ["pool", "preemptible", "an evicted job moves to", "priority class", "multi-node interconnect", "declared SkyPilot features",
+         "autostop of interactive clusters"],
         [
-            (f"`{p.name}`", _yes(p.preemptible), f"`{p.priority_class}`" if p.priority_class else "—", _yes(p.multi_node),
+            (f"`{p.name}`", _yes(p.preemptible), " → ".join(f"`{t}`" for t in p.recover_to) or "— (recovered in place)",
+             f"`{p.priority_class}`" if p.priority_class else "—", _yes(p.multi_node),
              _codes(p.features), f"{p.autostop_idle_minutes} idle minutes")
             for p in fleet.pools.values()
         ],
@@ -97,6 +99,11 @@ def _pools(fleet: Fleet) -> list[str]:
     out += [
         "Declared features are those SkyPilot learns only by asking a cluster (spot nodes on Kubernetes, Pyxis on",
         "Slurm); the pool's `features:` in the fleet file says it has them.",
+        "",
+        "A managed job evicted from a pool with `recover_to` (the step sees it RECOVERING) is launched again on the",
+        "first of those pools that can take it now, with that pool's env, rules and caps; the recovering one is",
+        "cancelled and its release verified, and the job resumes from what it saved in the transit bucket. When",
+        "none can take it, SkyPilot recovers it on its own pool.",
         "",
     ]
     return out

@@ -29,7 +29,14 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from gpudoor_pipelines.launch.backends.base import FAILURE_MEANING, Backend, Holding, JobInfo, ResolvedJob
+from gpudoor_pipelines.launch.backends.base import (
+    FAILURE_MEANING,
+    Backend,
+    Holding,
+    JobInfo,
+    JobState,
+    ResolvedJob,
+)
 from gpudoor_pipelines.launch.errors import JobFailed, LaunchConfigError, PoolFull
 from gpudoor_pipelines.launch.fleet import Fleet, load_fleet
 from gpudoor_pipelines.launch.goodput import PreemptionCost, Timeline, preemption_cost, saved_times
@@ -257,6 +264,12 @@ def submit_routed(
             full.add(e.pool)
             log(f"The API server says pool '{e.pool}' is full ({e.problem}): routing again.")
             job = resolve(request, fleet, usage=_full(backend.usage(), fleet, full))
+
+
+def _job_tag_key(request: LaunchRequest) -> str:
+    """The run tag under which a step records the job it launched (a retried step re-attaches to it)."""
+    key = f"{_TAG_JOB_PREFIX}{slug(request.asset or '', 60)}" + (f"-{slug(request.partition, 60)}" if request.partition else "")
+    return key + f"-{slug(request.step or request.spec.kind, 20)}"
 
 
 def _full(usage: Usage, fleet: Fleet, pools: set[str]) -> Usage:
@@ -569,10 +582,23 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
                 job = resolve(request, fleet, usage=usage.result() if usage is not None else None)
             job_id, job = self._reattach_or_submit(context, backend, job, request, fleet)
             timeline = Timeline()
-            info = self._wait_for_completion(context, backend, job_id, _Redactor(job.secrets), timeline)
-        # Read once the session is closed: by then every message the job sent has been read.
+            moved: list[ResolvedJob] = []  # the job as launched on each pool it moved to after an eviction
+
+            def move(old_id: str) -> str | None:
+                current = moved[-1] if moved else job
+                new = self._move_after_eviction(context, backend, current, old_id, request, fleet)
+                if new is None:
+                    return None
+                moved.append(new[1])
+                return new[0]
+
+            info = self._wait_for_completion(context, backend, job_id, _Redactor(job.secrets), timeline,
+                                             on_eviction=move if any(p.recover_to for p in fleet.pools.values()) else None)  # fmt: skip
+            job, job_id = moved[-1] if moved else job, info.job_id
+        # Read once the session is closed: by then every message the job sent has been read. A job that moved
+        # to another pool: the time held is what the step saw (the last job's own count leaves out the first).
         cost = preemption_cost(timeline, saved_times(session.get_custom_messages()), gpus=job.route.total_gpus,
-                               ended_at=time.time(), ran_s=info.ran_s)  # fmt: skip
+                               ended_at=time.time(), ran_s=None if moved else info.ran_s)  # fmt: skip
         if cost.preemptions:
             context.log.warning(_preemption_summary(job_id, cost))
         launched_as = backend.holding_of(job_id).kind
@@ -584,10 +610,7 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
         """Re-attaches to the job an earlier attempt of this step launched, if it still runs; else submits
         ``job``. A pool the API server says is full is routed around: the next pool of the route, with
         what is held read then. Returns the job id and the job as submitted."""
-        tag_key = f"{_TAG_JOB_PREFIX}{slug(request.asset or '', 60)}" + (
-            f"-{slug(request.partition, 60)}" if request.partition else ""
-        )
-        tag_key += f"-{slug(request.step or request.spec.kind, 20)}"
+        tag_key = _job_tag_key(request)
         previous = context.run.tags.get(tag_key, "")
         if previous.startswith(f"{backend.name}:"):
             old_id = previous.split(":", 1)[1]
@@ -606,15 +629,48 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
         context.log.info(f"Submitted job {job_id}.")
         return job_id, job
 
+    def _move_after_eviction(
+        self, context: dg.AssetExecutionContext, backend: Backend, job: ResolvedJob, job_id: str,
+        request: LaunchRequest, fleet: Fleet,
+    ) -> tuple[str, ResolvedJob] | None:
+        """A job RECOVERING on a pool whose ``recover_to`` names others: launched on the first of them that
+        can take it now (routed and ruled for that pool, its caps counted), then the recovering one is
+        cancelled and its release verified. Returns the new job id and job; None when no pool can take it
+        (SkyPilot goes on recovering it where it was)."""
+        if job.launch_as != "managed" or not fleet.pools[job.pool].recover_to:
+            return None  # a step cluster is launched again by the step itself, on its own pool
+        refused = []
+        for target in fleet.pools[job.pool].recover_to:
+            moved_request = dataclasses.replace(request, pool=target, infra=None)
+            try:
+                usage = None if fleet.live_caps == "server" else backend.usage()
+                new_job = resolve(moved_request, fleet, usage=usage)
+                new_id = backend.submit(new_job)
+            except LaunchConfigError as e:  # PoolFull included: the next pool, or none
+                refused.append(f"{target}: {e.problem}")
+                continue
+            context.instance.add_run_tags(context.run.run_id, {_job_tag_key(request): f"{backend.name}:{new_id}"})
+            context.log.warning(
+                f"Job {job_id} was evicted from pool '{job.pool}': launched again on pool '{target}' as job {new_id} "
+                f"(recover_to of '{job.pool}' in {fleet.source}); it resumes from what it saved. Cancelling job {job_id}."
+            )
+            self._release_verified(context, backend, [backend.holding_of(job_id)])
+            return new_id, new_job
+        context.log.warning(f"Job {job_id} was evicted from pool '{job.pool}' and no pool of its recover_to can take it "
+                            f"now ({'; '.join(refused)}): SkyPilot recovers it on '{job.pool}'.")  # fmt: skip
+        return None
+
     def _wait_for_completion(
         self, context: dg.AssetExecutionContext, backend: Backend, job_id: str, redact: _Redactor,
-        timeline: Timeline | None = None,
+        timeline: Timeline | None = None, on_eviction: Callable[[str], str | None] | None = None,
     ) -> JobInfo:
         """Streams the job's log into the run until the job ends; forwards a termination to the job.
 
         Log lines are handed over every ``poll_interval_s``; the job's state is asked through the
         process's status hub (one request for every job the process watches), backing off while it
-        does not change, and at once when the log stream ends.
+        does not change, and at once when the log stream ends. When the job starts RECOVERING and
+        ``on_eviction`` gives the id of a job launched in its place (on another pool), that job is
+        followed instead.
         """
         follower = backend.follow_logs(job_id)
         hub = status_hub(backend)
@@ -637,6 +693,16 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
                     if changed:
                         context.log.debug(f"Job {job_id}: {info.state.value}")
                         last_state = info.state
+                        if info.state is JobState.RECOVERING and on_eviction is not None:
+                            new_id = on_eviction(job_id)
+                            if new_id is not None:
+                                for line in follower.poll():
+                                    context.log.info(redact(line))
+                                hub.unwatch([job_id])
+                                follower.close()
+                                job_id, follower, stream_seen_ended = new_id, backend.follow_logs(new_id), False
+                                hub.watch([job_id])
+                                backoff.reset()
                     if info.state.is_terminal:
                         for line in follower.poll():
                             context.log.info(redact(line))

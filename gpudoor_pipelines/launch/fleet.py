@@ -70,6 +70,10 @@ class Pool(BaseModel):
         features: SkyPilot features this pool's cluster has beyond SkyPilot's table for its kind of
             infra (``spot_instance`` on a Kubernetes cluster with spot nodes, ``docker_image`` on Slurm
             with Pyxis); SkyPilot detects these only by asking the cluster.
+        recover_to: pools a managed job evicted from this one may move to, in order. When a step sees
+            its job RECOVERING here, it launches the job on the first of them that can take it now (that
+            pool's env and rules, its caps), cancels the one recovering, and follows the new one; the job
+            resumes from what it saved in the transit bucket. None can take it: SkyPilot recovers it here.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -89,6 +93,7 @@ class Pool(BaseModel):
     env: dict[str, str] = Field(default_factory=dict)
     autostop_idle_minutes: int = Field(default=60, ge=1)
     features: tuple[str, ...] = ()
+    recover_to: tuple[str, ...] = ()
 
     @model_validator(mode="after")
     def _gpus_need_a_cap(self) -> Pool:
@@ -270,6 +275,11 @@ class Fleet(BaseModel):
         where = [(f"routes.{s}[{i}]", p) for s, ps in self.routes.items() for i, p in enumerate(ps)]
         where += [(f"accelerator_routes.{g}", p) for g, p in self.accelerator_routes.items()]
         where += [(f"cpu_route[{i}]", p) for i, p in enumerate(self.cpu_route)]
+        where += [(f"pools.{n}.recover_to[{i}]", p) for n, pool in self.pools.items() for i, p in enumerate(pool.recover_to)]
+        for name, pool in self.pools.items():
+            if name in pool.recover_to:
+                raise _FieldError(f"pools.{name}.recover_to", f"pool '{name}' names itself",
+                                  "list other pools (SkyPilot already recovers a job on its own pool)")
         for field, name in where:
             if name not in self.pools:
                 raise _FieldError(field, f"unknown pool '{name}'", f"use one of {sorted(self.pools)}{did_you_mean(name, self.pools)}")

@@ -82,6 +82,7 @@ class FakeSky:
         self.interrupt_after: int | None = None
         self.interrupt: BaseException | None = None
         self.preempt_at: set[int] = set()
+        self.preempt_jobs: set[int] | None = None  # the jobs preempt_at applies to (None: every job)
         self.says: dict[int, list[Any]] = {}
         self.full_pools: set[str] = set()  # pools the server's policy says are full (launches there are refused)
         self._lock = threading.Lock()
@@ -216,7 +217,7 @@ class FakeSky:
             self._send(r.job_id, payload() if callable(payload) else payload)
         if r.status is Status.PENDING and n >= 1 and r.submitted_at is not None:
             r.status, r.start_at = Status.RUNNING, r.submitted_at + 10.0
-        elif r.status is Status.RUNNING and n in self.preempt_at:
+        elif r.status is Status.RUNNING and n in self.preempt_at and r.job_id in (self.preempt_jobs or {r.job_id}):
             r.status, r.recovery_count = Status.RECOVERING, r.recovery_count + 1
         elif r.status is Status.RECOVERING:
             r.status = Status.RUNNING

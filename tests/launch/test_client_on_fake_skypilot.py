@@ -185,3 +185,61 @@ def test_warm_pool_workers_count_as_held_gpus(tmp_path, fake_sky):
     ]
     usage = _client(tmp_path, fake_sky).get_backend().usage()
     assert usage.gpus == {"onprem": 3} and usage.user_gpus == {("ana", "onprem"): 3}
+
+
+def _fleet_recovering_onprem_to(tmp_path: Path, *targets: str) -> str:
+    fleet = yaml.safe_load((SPECS_DIR / "fleet.yaml").read_text())
+    fleet["pools"]["onprem"]["recover_to"] = list(targets)
+    path = tmp_path / "fleet-recover.yaml"
+    path.write_text(yaml.safe_dump(fleet))
+    return str(path)
+
+
+def test_a_job_evicted_from_a_pool_with_recover_to_moves_to_the_next_pool(tmp_path, fake_sky):
+    """Evicted from onprem (RECOVERING), whose recover_to names inference: launched there, the old one cancelled."""
+    fake_sky.polls_to_finish, fake_sky.preempt_at, fake_sky.preempt_jobs = 6, {3}, {1}
+    with dg.instance_for_test() as instance:
+        client = _client(tmp_path, fake_sky, fleet_file=_fleet_recovering_onprem_to(tmp_path, "inference"))
+        result = dg.materialize([probe_asset], partition_key="shard-007", instance=instance, resources={"skypilot": client})
+        assert result.success
+        md = {k: v.value for k, v in result.asset_materializations_for_node("probe_asset")[0].metadata.items()}
+        warnings = [e.user_message for e in instance.all_logs(result.run_id) if e.level >= logging.WARNING]
+        tags = instance.get_run_by_id(result.run_id).tags
+    # The job launched on inference with that pool's labels and env; the one recovering on onprem cancelled.
+    first, second = fake_sky.launched
+    assert first.resources.copy().pop().labels["gpudoor-pool"] == "onprem"
+    (resources,) = second.resources
+    assert resources.labels["gpudoor-pool"] == "inference" and second.envs["GPUDOOR_POOL"] == "inference"
+    assert fake_sky.cancelled == [1] and fake_sky.records[1].status is Status.CANCELLED
+    assert md["job_id"] == "2" and md["pool"] == "inference" and md["status"] == "SUCCEEDED"
+    assert md["recoveries"] == 1 and "goodput" in md
+    assert any(w.startswith("Job 1 was evicted from pool 'onprem': launched again on pool 'inference' as job 2") for w in warnings)
+    assert tags["gpudoor/released-job-1"].startswith("confirmed in")
+    # A retried step re-attaches to the job that runs now, not the one cancelled.
+    assert tags["gpudoor/job-probe-asset-shard-007-caption"] == "skypilot:2"
+
+
+def test_an_evicted_job_stays_with_skypilots_recovery_when_no_pool_of_recover_to_can_take_it(tmp_path, fake_sky):
+    fake_sky.polls_to_finish, fake_sky.preempt_at = 6, {3}
+    fake_sky.full_pools = {"inference"}  # the server says inference is full
+    with dg.instance_for_test() as instance:
+        client = _client(tmp_path, fake_sky, fleet_file=_fleet_recovering_onprem_to(tmp_path, "inference"))
+        result = dg.materialize([probe_asset], partition_key="shard-007", instance=instance, resources={"skypilot": client})
+        assert result.success
+        md = {k: v.value for k, v in result.asset_materializations_for_node("probe_asset")[0].metadata.items()}
+        warnings = [e.user_message for e in instance.all_logs(result.run_id) if e.level >= logging.WARNING]
+    assert len(fake_sky.launched) == 1 and fake_sky.cancelled == []
+    assert md["job_id"] == "1" and md["pool"] == "onprem" and md["recoveries"] == 1
+    assert any("no pool of its recover_to can take it now (inference:" in w and "SkyPilot recovers it on 'onprem'" in w for w in warnings)
+
+
+def test_recover_to_names_other_pools_of_the_fleet(tmp_path):
+    from gpudoor_pipelines.launch.errors import LaunchConfigError
+    from gpudoor_pipelines.launch.fleet import load_fleet
+
+    with pytest.raises(LaunchConfigError) as e:
+        load_fleet(_fleet_recovering_onprem_to(tmp_path, "inferense"))
+    assert e.value.field == "pools.onprem.recover_to[0]" and "did you mean 'inference'" in e.value.fix
+    with pytest.raises(LaunchConfigError) as e:
+        load_fleet(_fleet_recovering_onprem_to(tmp_path, "onprem"))
+    assert e.value.field == "pools.onprem.recover_to" and "names itself" in e.value.problem

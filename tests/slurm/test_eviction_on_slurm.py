@@ -1,0 +1,74 @@
+"""A managed job evicted from a pool whose ``recover_to`` names another moves there, on the real test bed.
+
+The bed's fleet lets a job evicted from ``inference`` move to ``spare`` (an L4 of the onprem partition
+kept for this). The job runs on inference; its Slurm allocation is cancelled, as an eviction would;
+SkyPilot marks it RECOVERING; the step launches it on spare with that pool's env, cancels the one
+recovering, verifies its release and follows the new job to its end. Nothing is faked. It runs in the
+lane of the preempted training (see the Makefile).
+"""
+
+import subprocess
+import threading
+import time
+
+import dagster as dg
+import pytest
+import yaml
+
+from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
+from tests.slurm.conftest import squeue
+from tests.slurm.test_client_on_slurm import _logs, _managed, _resource
+
+pytestmark = pytest.mark.slurm
+
+
+def test_a_job_evicted_from_inference_moves_to_the_pool_its_recover_to_names(testbed, transit, tmp_path):
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    run = "echo attempt on $GPUDOOR_POOL cache=$LOCAL_CACHE_DIR; sleep 45; echo finished on $GPUDOOR_POOL"
+    (specs / "caption.yaml").write_text(yaml.safe_dump({"name": "bed-evicted", "resources": {"accelerators": {"L4": 1, "H200": 1}},
+                                                        "run": run}))  # fmt: skip
+
+    @dg.asset
+    def evicted(context: dg.AssetExecutionContext, skypilot: PipesSkyPilotClient) -> dg.MaterializeResult:
+        request = skypilot.request(context, "caption", config=LaunchConfig(pool="inference"))
+        return skypilot.run(context=context, request=request).get_materialize_result()
+
+    instance = dg.DagsterInstance.ephemeral()
+    evicted_job: dict = {}
+
+    def evict_once_running() -> None:
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline:
+            for r in instance.get_runs():
+                if not any(e.user_message.endswith("cache=/tmp/gpudoor-bed/inference/cache") for e in instance.all_logs(r.run_id)):
+                    continue
+                job_id = next(v.split(":", 1)[1] for k, v in r.tags.items() if k.startswith("gpudoor/job-"))
+                record = _managed(int(job_id))
+                if record.cluster_name_on_cloud:
+                    evicted_job.update(job_id=job_id, allocation=record.cluster_name_on_cloud)
+                    subprocess.run(["scancel", "--name", record.cluster_name_on_cloud], check=True, timeout=30)
+                    return
+            time.sleep(1)
+
+    evictor = threading.Thread(target=evict_once_running, daemon=True)
+    evictor.start()
+    result = dg.materialize([evicted], instance=instance, resources={"skypilot": _resource(testbed, transit, specs)},
+                            raise_on_error=False)  # fmt: skip
+    evictor.join(timeout=5)
+    logs = _logs(instance, result.run_id)
+    assert evicted_job, "the job ended before it could be evicted:\n" + "\n".join(logs[-40:])
+    assert result.success, "\n".join(logs[-60:])
+    md = {k: v.value for k, v in result.asset_materializations_for_node("evicted")[0].metadata.items()}
+    old = evicted_job["job_id"]
+    # It ran to its end on spare, with spare's env, as a new managed job; the one evicted was cancelled.
+    assert md["pool"] == "spare" and md["job_id"] != old and md["status"] == "SUCCEEDED" and md["recoveries"] >= 1
+    assert any(line.endswith("finished on spare") for line in logs), logs[-30:]
+    assert any(line.startswith(f"Job {old} was evicted from pool 'inference': launched again on pool 'spare'") for line in logs)
+    assert _managed(int(old)).status.value == "CANCELLED"
+    assert instance.get_run_by_id(result.run_id).tags[f"gpudoor/released-job-{old}"].startswith("confirmed in")
+    # Nothing stays held: the evicted allocation and the new job's are gone.
+    deadline = time.monotonic() + 180
+    while any(j["name"] == evicted_job["allocation"] for j in squeue()) and time.monotonic() < deadline:
+        time.sleep(2)
+    assert not any(j["name"] == evicted_job["allocation"] for j in squeue()), squeue()
