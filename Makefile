@@ -19,9 +19,10 @@ dev: $(STAMP)
 
 # The Slurm tests mostly wait on the test bed's managed jobs: they run side by side with the rest, in one
 # lane, and the preempted training (minutes of waiting while SkyPilot recovers it) in a lane of its own,
-# with the step cluster and eviction tests after it. More Slurm lanes starve the 2-core machine: the bed's job
-# controllers and the rest slow down.
-SLOW_SLURM := tests/slurm/test_preemption_on_slurm.py tests/slurm/test_step_cluster_on_slurm.py tests/slurm/test_eviction_on_slurm.py
+# with the other preemption tests after it (step cluster, eviction, caption job). More Slurm lanes
+# starve the 2-core machine: the bed's job controllers and the rest slow down.
+SLOW_SLURM := tests/slurm/test_preemption_on_slurm.py tests/slurm/test_step_cluster_on_slurm.py tests/slurm/test_eviction_on_slurm.py \
+              tests/slurm/test_caption_preemption_on_slurm.py
 test: $(STAMP)
 	@$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests/slurm $(addprefix --ignore=,$(SLOW_SLURM)) > .pytest-slurm.log 2>&1 & slurm=$$!; \
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider $(SLOW_SLURM) > .pytest-slurm-slow.log 2>&1 & slow=$$!; \

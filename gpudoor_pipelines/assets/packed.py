@@ -25,7 +25,7 @@ from typing import Any
 
 import dagster as dg
 
-from gpudoor_pipelines.launch.backends.base import ResolvedJob
+from gpudoor_pipelines.launch.backends.base import JobInfo, ResolvedJob
 from gpudoor_pipelines.launch.client import BatchResult, PipesSkyPilotClient
 from gpudoor_pipelines.launch.goodput import DURABLE_AT
 from gpudoor_pipelines.launch.request import LaunchRequest, slug
@@ -236,9 +236,14 @@ class PackedRun(abc.ABC):
         def on_submitted(job: ResolvedJob, job_ids: list[str]) -> None:
             self._job, self._job_ids = job, job_ids
 
+        def on_preempted(rank: int, info: JobInfo, seen_at: float) -> None:
+            # SkyPilot recovers the job on a new worker; it resumes at its last save: the work since is lost.
+            self._charge_lost(rank, groups, outcome, saved, started_at=info.started_at, end=seen_at)
+
         result = self.skypilot.run_batch(
             context=self.context, request=self.request, num_jobs=len(groups), workers=workers,
             pool_name=self.pool_name, prepare=prepare, on_message=on_message, on_submitted=on_submitted,
+            on_preempted=on_preempted,
         )  # fmt: skip
         for record in result.records():
             self.report.gpu_hours += record.gpu_hours
@@ -276,21 +281,26 @@ class PackedRun(abc.ABC):
                     saved: Mapping[int, tuple[float, str]]) -> None:  # fmt: skip
         """What the jobs that stopped before finishing lost: the work since their last save (or their start),
         charged to the item they were on (the one of their last save, else their first unfinished one)."""
-        gpus = result.job.route.total_gpus if result.job.route else 0.0
         for rank in result.failed_ranks:
             info = result.infos[rank]
-            if info.started_at is None:
-                continue  # never ran: nothing done, nothing lost
-            end = info.ended_at or self.clock()
-            last, on = saved.get(rank, (0.0, ""))
-            lost_s = max(0.0, end - max(last, info.started_at))
-            unfinished = [i for i in groups[rank] if outcome.get(i, {}).get("state") != "done"]
-            item = on if on in unfinished else (unfinished[0] if unfinished else "")
-            self.report.jobs_interrupted += 1
-            self.report.gpu_hours_lost += gpus * lost_s / 3600.0
-            if item:
-                count, seconds = self._lost.get(item, (0, 0.0))
-                self._lost[item] = (count + 1, seconds + lost_s)
+            self._charge_lost(rank, groups, outcome, saved, started_at=info.started_at, end=info.ended_at or self.clock())
+
+    def _charge_lost(self, rank: int, groups: list[list[str]], outcome: Mapping[str, Mapping[str, Any]],
+                     saved: Mapping[int, tuple[float, str]], *, started_at: float | None, end: float) -> None:  # fmt: skip
+        """One interruption of a rank's job at ``end``: the work since its last save (or its start) is lost,
+        charged to the item it was on (the one of its last save, else its first unfinished one)."""
+        if started_at is None:
+            return  # never ran: nothing done, nothing lost
+        gpus = self._job.route.total_gpus if self._job is not None and self._job.route else 0.0
+        last, on = saved.get(rank, (0.0, ""))
+        lost_s = max(0.0, end - max(last, started_at))
+        unfinished = [i for i in groups[rank] if outcome.get(i, {}).get("state") != "done"]
+        item = on if on in unfinished else (unfinished[0] if unfinished else "")
+        self.report.jobs_interrupted += 1
+        self.report.gpu_hours_lost += gpus * lost_s / 3600.0
+        if item:
+            count, seconds = self._lost.get(item, (0, 0.0))
+            self._lost[item] = (count + 1, seconds + lost_s)
 
     def _done(self, item: str, message: Mapping[str, Any], rank: int) -> None:
         self.report.done.append(item)

@@ -266,6 +266,24 @@ def submit_routed(
             job = resolve(request, fleet, usage=_full(backend.usage(), fleet, full))
 
 
+def _report_preemptions(job_ids: Sequence[str], before: Mapping[str, JobInfo], now: Mapping[str, JobInfo],
+                        reported: dict[str, int], report: Callable[[int, JobInfo, float], None]) -> None:  # fmt: skip
+    """Calls ``report`` once per preemption of each rank since the last poll: a rank seen entering RECOVERING,
+    or whose recovery count rose past what was reported."""
+    at = time.time()
+    for rank, job_id in enumerate(job_ids):
+        info = now.get(job_id)
+        if info is None:
+            continue
+        old = before.get(job_id)
+        entered = info.state is JobState.RECOVERING and (old is None or old.state is not JobState.RECOVERING)
+        done = reported.get(job_id, 0)
+        events = max(done + (1 if entered else 0), info.recoveries)
+        for _ in range(events - done):
+            report(rank, info, at)
+        reported[job_id] = events
+
+
 def _job_tag_key(request: LaunchRequest) -> str:
     """The run tag under which a step records the job it launched (a retried step re-attaches to it)."""
     key = f"{_TAG_JOB_PREFIX}{slug(request.asset or '', 60)}" + (f"-{slug(request.partition, 60)}" if request.partition else "")
@@ -820,6 +838,7 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
         prepare: Callable[[Sequence[Mapping[str, str]]], Mapping[str, str]],
         on_message: Callable[[Any], None],
         on_submitted: Callable[[ResolvedJob, list[str]], None] | None = None,
+        on_preempted: Callable[[int, JobInfo, float], None] | None = None,
     ) -> BatchResult:
         """Launches ``num_jobs`` ranks of a request on the warm pool ``pool_name`` and waits for all of them.
 
@@ -827,7 +846,9 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
         ``PipesCompositeMessageReader``): ``prepare`` gets the per-rank Pipes env, writes what the
         ranks need (a batch file) and returns the launcher inputs that point at it. Every custom
         message a rank reports is handed to ``on_message`` as it arrives; ``on_submitted`` gets the
-        resolved job and the rank job ids once they exist. All ranks' states come from one status
+        resolved job and the rank job ids once they exist; ``on_preempted`` gets a rank, its state and when
+        the step saw it, once per preemption SkyPilot recovers it from (it shows RECOVERING, or its
+        recovery count rose between two polls). All ranks' states come from one status
         request per poll; the logs of up to ``max_log_streams`` running ranks stream into the run. A
         run termination cancels every rank and releases the pool. A failed rank does not raise: the
         caller decides what to retry (:attr:`BatchResult.failed_ranks`, with their last log lines).
@@ -869,6 +890,7 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
             redact = _Redactor(job.secrets)
             logs = _LogStreams(backend, job_ids, self.max_log_streams, lambda line: context.log.info(redact(line)))
             infos: dict[str, JobInfo] = {}
+            preempted: dict[str, int] = {}  # job id -> preemptions reported
             # One status request for every rank per poll; polls back off while nothing changes, and come
             # at once when a followed rank's log stream ends. Ranks report their work through Pipes
             # (delivered every loop), so a later poll delays no materialization.
@@ -878,7 +900,10 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
                 last_summary = ""
                 while True:
                     if cue or time.monotonic() >= next_poll:
+                        previous = dict(infos)
                         infos.update(backend.statuses([i for i in job_ids if i not in infos or not infos[i].state.is_terminal]))
+                        if on_preempted is not None:
+                            _report_preemptions(job_ids, previous, infos, preempted, on_preempted)
                         summary = _summarize(infos.values())
                         changed = summary != last_summary or cue
                         if summary != last_summary:

@@ -176,3 +176,24 @@ def test_job_env_json_has_no_secrets(tmp_path, monkeypatch):
     assert not any("TOPSECRET-abc123" in m for m in logs)
     for f in (tmp_path / "home" / "jobs").rglob("*.json"):
         assert "TOPSECRET-abc123" not in f.read_text()
+
+
+def test_a_batch_reports_each_preemption_of_a_rank_once():
+    """A rank seen entering RECOVERING is one preemption; a recovery count that rose between two polls
+    (RECOVERING never seen) is one too; seeing it RUNNING again afterwards is none."""
+    from gpudoor_pipelines.launch.backends.base import JobInfo, JobState
+    from gpudoor_pipelines.launch.client import _report_preemptions
+
+    def polls(*states: tuple[JobState, int]) -> list[tuple[int, float]]:
+        seen, reported, before = [], {}, {}
+        for state, recoveries in states:
+            now = {"7": JobInfo(job_id="7", state=state, recoveries=recoveries)}
+            _report_preemptions(["7"], before, now, reported, lambda rank, info, at: seen.append((rank, info.recoveries)))
+            before = now
+        return seen
+
+    R, RUN = JobState.RECOVERING, JobState.RUNNING
+    assert polls((RUN, 0), (R, 0), (R, 1), (RUN, 1)) == [(0, 0)]
+    assert polls((RUN, 0), (RUN, 1)) == [(0, 1)]  # recovered between two polls
+    assert polls((RUN, 0), (R, 1), (RUN, 1), (R, 1), (RUN, 2)) == [(0, 1), (0, 1)]
+    assert polls((RUN, 0), (RUN, 0), (JobState.SUCCEEDED, 0)) == []

@@ -19,46 +19,18 @@ from tests.slurm.test_client_on_slurm import _logs, _resource
 pytestmark = pytest.mark.slurm
 
 
-def test_a_smoke_step_runs_on_a_cluster_of_its_own_which_is_gone_afterwards(testbed, transit, tmp_path, slurm_queue):
-    """The bed's fleet launches smoke steps as clusters (``launch_as``): sky.launch, log, sky.down."""
+def test_a_smoke_step_runs_on_a_cluster_of_its_own_relaunched_after_a_preemption_and_gone_afterwards(
+    testbed, transit, tmp_path, slurm_queue
+):
+    """The bed's fleet launches smoke steps as clusters (``launch_as``): sky.launch, log, sky.down. The Slurm
+    allocation under the running step cluster is cancelled (as a preemption would): the step sees its
+    cluster gone, launches it again, and the job runs to its end on the new allocation."""
     import sky
 
     specs = tmp_path / "specs"
     specs.mkdir()
     (specs / "smoke.yaml").write_text(yaml.safe_dump({"name": "bed-smoke", "resources": {"accelerators": "H200:1"},
-                                                      "run": "echo smoke on $GPUDOOR_POOL; sleep 3; echo smoke done"}))  # fmt: skip
-
-    @dg.asset
-    def smoke_probe(context: dg.AssetExecutionContext, skypilot: PipesSkyPilotClient) -> dg.MaterializeResult:
-        return skypilot.run(context=context, request=skypilot.request(context, "smoke")).get_materialize_result()
-
-    with dg.instance_for_test() as instance:
-        result = dg.materialize([smoke_probe], instance=instance, resources={"skypilot": _resource(testbed, transit, specs)})
-        assert result.success
-        logs = _logs(instance, result.run_id)
-    md = {k: v.value for k, v in result.asset_materializations_for_node("smoke_probe")[0].metadata.items()}
-    cluster = md["job_id"].split("/")[0]
-    assert md["launched_as"] == "cluster" and cluster.startswith("gpudoor-step-") and md["pool"] == "h200"
-    assert any(line.endswith("smoke on h200") for line in logs) and any(line.endswith("smoke done") for line in logs), logs[-30:]
-    assert md["status"] == "SUCCEEDED" and md["recoveries"] == 0
-    # No managed job was launched for it; its cluster is torn down (asked for when the job ended) and its
-    # Slurm allocation with it.
-    records, *_ = sky.get(sky.jobs.queue_v2(refresh=False, all_users=True, fields=["job_id", "labels"]))
-    assert not [r for r in records if (r.labels or {}).get("dagster-run-id") == result.run_id]
-    deadline = time.time() + 180
-    while sky.get(sky.status(cluster_names=[cluster], all_users=True)) and time.time() < deadline:
-        time.sleep(3)
-    assert not sky.get(sky.status(cluster_names=[cluster], all_users=True))
-    assert not [j for j in slurm_queue() if "gpudoor-step" in j["name"]], slurm_queue()
-
-
-def test_a_preempted_step_cluster_is_launched_again_by_the_step(testbed, transit, tmp_path, slurm_queue):
-    """The Slurm allocation under a running step cluster is cancelled (as a preemption would): the step sees
-    its cluster gone, launches it again, and the job runs to its end on the new allocation."""
-    specs = tmp_path / "specs"
-    specs.mkdir()
-    (specs / "smoke.yaml").write_text(yaml.safe_dump({"name": "bed-smoke", "resources": {"accelerators": "H200:1"},
-                                                      "run": "echo smoke attempt started; sleep 20; echo smoke done"}))  # fmt: skip
+                                                      "run": "echo smoke on $GPUDOOR_POOL; echo smoke attempt started; sleep 20; echo smoke done"}))  # fmt: skip
 
     @dg.asset
     def preempted_smoke(context: dg.AssetExecutionContext, skypilot: PipesSkyPilotClient) -> dg.MaterializeResult:
@@ -89,12 +61,20 @@ def test_a_preempted_step_cluster_is_launched_again_by_the_step(testbed, transit
     assert result.success, "\n".join(logs[-60:])
     md = {k: v.value for k, v in result.asset_materializations_for_node("preempted_smoke")[0].metadata.items()}
     cluster = md["job_id"].split("/")[0]
+    assert md["launched_as"] == "cluster" and cluster.startswith("gpudoor-step-") and md["pool"] == "h200"
+    assert any(line.endswith("smoke on h200") for line in logs)
     assert md["recoveries"] == 1 and md["status"] == "SUCCEEDED"
     assert any(f"cluster {cluster} was lost (preempted): launching it again" in line for line in logs)
     assert sum(line.endswith("smoke attempt started") for line in logs) == 2 and any(line.endswith("smoke done") for line in logs)
     assert any("was preempted 1 time(s) and recovered" in line for line in logs)
-    # Nothing stays held afterwards.
+    # No managed job was launched for it; its cluster is torn down (asked for when the job ended) and its
+    # Slurm allocations with it.
+    records, *_ = sky.get(sky.jobs.queue_v2(refresh=False, all_users=True, fields=["job_id", "labels"]))
+    assert not [r for r in records if (r.labels or {}).get("dagster-run-id") == result.run_id]
     deadline = time.monotonic() + 180
+    while sky.get(sky.status(cluster_names=[cluster], all_users=True)) and time.monotonic() < deadline:
+        time.sleep(3)
+    assert not sky.get(sky.status(cluster_names=[cluster], all_users=True))
     while any("gpudoor-step" in j["name"] for j in slurm_queue()) and time.monotonic() < deadline:
         time.sleep(2)
     assert not any("gpudoor-step" in j["name"] for j in slurm_queue()), slurm_queue()

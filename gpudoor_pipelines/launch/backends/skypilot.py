@@ -303,8 +303,8 @@ class SkyPilotBackend(Backend):
         sky = _sky()
         config = copy.deepcopy(job.config)
         secrets = config.pop("secrets", None) or {}
-        # SkyPilot refuses job_recovery on a pool: the pool replaces a preempted worker itself, and the
-        # caller relaunches what the lost job had not finished.
+        # SkyPilot refuses job_recovery on a pool: the pool recovers a job whose worker is preempted on a
+        # replacement worker itself, and the caller relaunches what a failed job had not finished.
         if isinstance(config.get("resources"), dict):
             config["resources"].pop("job_recovery", None)
         current = self._pool(pool_name)
