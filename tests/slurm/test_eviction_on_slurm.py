@@ -10,6 +10,8 @@ lane of the preempted training (see the Makefile).
 import subprocess
 import threading
 import time
+import uuid
+from pathlib import Path
 
 import dagster as dg
 import pytest
@@ -25,7 +27,11 @@ pytestmark = pytest.mark.slurm
 def test_a_job_evicted_from_inference_moves_to_the_pool_its_recover_to_names(testbed, transit, tmp_path):
     specs = tmp_path / "specs"
     specs.mkdir()
-    run = "echo attempt on $GPUDOOR_POOL cache=$LOCAL_CACHE_DIR; sleep 45; echo finished on $GPUDOOR_POOL"
+    # On inference the job waits to be evicted (it marks that it runs: the bed's nodes are this machine); it
+    # can end only where it moved to.
+    marker = Path(f"/tmp/gpudoor-bed/markers/evicted-{uuid.uuid4().hex[:8]}")
+    run = (f"echo attempt on $GPUDOOR_POOL cache=$LOCAL_CACHE_DIR; if [ $GPUDOOR_POOL = inference ]; then "
+           f"mkdir -p {marker.parent}; touch {marker}; sleep 600; fi; echo finished on $GPUDOOR_POOL")
     (specs / "caption.yaml").write_text(yaml.safe_dump({"name": "bed-evicted", "resources": {"accelerators": {"L4": 1, "H200": 1}},
                                                         "run": run}))  # fmt: skip
 
@@ -41,7 +47,7 @@ def test_a_job_evicted_from_inference_moves_to_the_pool_its_recover_to_names(tes
         deadline = time.monotonic() + 400
         while time.monotonic() < deadline:
             for r in instance.get_runs():
-                if not any(e.user_message.endswith("cache=/tmp/gpudoor-bed/inference/cache") for e in instance.all_logs(r.run_id)):
+                if not marker.exists():
                     continue
                 job_id = next(v.split(":", 1)[1] for k, v in r.tags.items() if k.startswith("gpudoor/job-"))
                 record = _managed(int(job_id))
@@ -64,6 +70,7 @@ def test_a_job_evicted_from_inference_moves_to_the_pool_its_recover_to_names(tes
     # It ran to its end on spare, with spare's env, as a new managed job; the one evicted was cancelled.
     assert md["pool"] == "spare" and md["job_id"] != old and md["status"] == "SUCCEEDED" and md["recoveries"] >= 1
     assert any(line.endswith("finished on spare") for line in logs), logs[-30:]
+    assert not any(line.endswith("finished on inference") for line in logs)
     assert any(line.startswith(f"Job {old} was evicted from pool 'inference': launched again on pool 'spare'") for line in logs)
     assert _managed(int(old)).status.value == "CANCELLED"
     assert instance.get_run_by_id(result.run_id).tags[f"gpudoor/released-job-{old}"].startswith("confirmed in")

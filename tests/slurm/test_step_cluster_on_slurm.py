@@ -8,6 +8,8 @@ faked. It runs in the lane of the preempted training (see the Makefile), which i
 import subprocess
 import threading
 import time
+import uuid
+from pathlib import Path
 
 import dagster as dg
 import pytest
@@ -29,8 +31,12 @@ def test_a_smoke_step_runs_on_a_cluster_of_its_own_relaunched_after_a_preemption
 
     specs = tmp_path / "specs"
     specs.mkdir()
-    (specs / "smoke.yaml").write_text(yaml.safe_dump({"name": "bed-smoke", "resources": {"accelerators": "H200:1"},
-                                                      "run": "echo smoke on $GPUDOOR_POOL; echo smoke attempt started; sleep 20; echo smoke done"}))  # fmt: skip
+    # The first attempt marks that it runs (the bed's nodes are this machine) and waits to be preempted; the
+    # attempt after the relaunch finds the mark and ends.
+    marker = Path(f"/tmp/gpudoor-bed/markers/smoke-{uuid.uuid4().hex[:8]}")
+    run = (f"echo smoke on $GPUDOOR_POOL; echo smoke attempt started; if [ ! -e {marker} ]; then mkdir -p {marker.parent}; "
+           f"touch {marker}; sleep 600; fi; echo smoke done")
+    (specs / "smoke.yaml").write_text(yaml.safe_dump({"name": "bed-smoke", "resources": {"accelerators": "H200:1"}, "run": run}))
 
     @dg.asset
     def preempted_smoke(context: dg.AssetExecutionContext, skypilot: PipesSkyPilotClient) -> dg.MaterializeResult:
@@ -42,13 +48,11 @@ def test_a_smoke_step_runs_on_a_cluster_of_its_own_relaunched_after_a_preemption
     def preempt_once_running() -> None:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            for run in instance.get_runs():
-                if any(e.user_message.endswith("smoke attempt started") for e in instance.all_logs(run.run_id)):
-                    allocations = [j for j in slurm_queue() if "gpudoor-step" in j["name"]]
-                    if allocations:
-                        preempted["allocation"] = allocations[0]["name"]
-                        subprocess.run(["scancel", "--name", allocations[0]["name"]], check=True, timeout=30)
-                        return
+            allocations = [j for j in slurm_queue() if "gpudoor-step" in j["name"]]
+            if marker.exists() and allocations:
+                preempted["allocation"] = allocations[0]["name"]
+                subprocess.run(["scancel", "--name", allocations[0]["name"]], check=True, timeout=30)
+                return
             time.sleep(1)
 
     preempter = threading.Thread(target=preempt_once_running, daemon=True)
