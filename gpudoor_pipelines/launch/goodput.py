@@ -114,7 +114,12 @@ def preemption_cost(
     stretches: list[tuple[float, float, bool]] = []  # (start, end, ended by a preemption)
     start: float | None = None
     recoveries = 0
+    entered = 0  # times the step saw the job enter RECOVERING (even when it never saw it RUNNING before)
+    previous: JobState | None = None
     for at, state, count in timeline.seen:
+        if state is JobState.RECOVERING and previous is not JobState.RECOVERING:
+            entered += 1
+        previous = state
         recovered = count > recoveries
         if start is not None and (state is not JobState.RUNNING or recovered):
             stretches.append((start, at, recovered or state in _RUNS_AGAIN))
@@ -132,5 +137,5 @@ def preemption_cost(
         last = saves[-1] if saves else None
         preemptions.append(Preemption(seen_at=end, last_saved_at=last, lost_s=end - (last if last is not None else begin)))
     held = ran_s if ran_s is not None else sum(end - begin for begin, end, _ in stretches)
-    return PreemptionCost(recoveries=max(recoveries, len(preemptions)), held_s=max(0.0, held),
+    return PreemptionCost(recoveries=max(recoveries, len(preemptions), entered), held_s=max(0.0, held),
                           preemptions=tuple(preemptions), gpus=gpus)  # fmt: skip

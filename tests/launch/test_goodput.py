@@ -48,6 +48,14 @@ def test_a_recovery_missed_between_two_looks_still_counts():
     assert cost.recoveries == 1 and preemption.last_saved_at == 100 and preemption.lost_s == 200
 
 
+def test_a_job_seen_recovering_but_never_seen_running_still_counts_a_recovery():
+    # On a loaded machine the step may look at STARTING, then RECOVERING (SkyPilot's count not yet up), then a
+    # job launched in its place (another pool, counting from 0): the job was preempted once.
+    timeline = _timeline((0, P, 0), (40, REC, 0), (45, P, 0), (60, R, 0), (90, OK, 0))
+    cost = preemption_cost(timeline, [], gpus=1, ended_at=91)
+    assert cost.recoveries == 1 and cost.to_metadata()["recoveries"] == 1
+
+
 def test_the_backend_count_of_time_ran_is_the_time_held():
     timeline = _timeline((0, R, 0), (100, REC, 1), (400, R, 1), (500, OK, 1))
     cost = preemption_cost(timeline, [90.0], gpus=1, ended_at=501, ran_s=190.0)
