@@ -195,16 +195,21 @@ def _fleet_recovering_onprem_to(tmp_path: Path, *targets: str) -> str:
     return str(path)
 
 
-def test_a_job_evicted_from_a_pool_with_recover_to_moves_to_the_next_pool(tmp_path, fake_sky):
-    """Evicted from onprem (RECOVERING), whose recover_to names inference: launched there, the old one cancelled."""
-    fake_sky.polls_to_finish, fake_sky.preempt_at, fake_sky.preempt_jobs = 6, {3}, {1}
+def _evicted_from_onprem(tmp_path: Path, fake: FakeSky) -> tuple[dict, list[str], dict]:
+    """Materializes the probe with onprem's recover_to naming inference: its metadata, warnings and run tags."""
     with dg.instance_for_test() as instance:
-        client = _client(tmp_path, fake_sky, fleet_file=_fleet_recovering_onprem_to(tmp_path, "inference"))
+        client = _client(tmp_path, fake, fleet_file=_fleet_recovering_onprem_to(tmp_path, "inference"))
         result = dg.materialize([probe_asset], partition_key="shard-007", instance=instance, resources={"skypilot": client})
         assert result.success
         md = {k: v.value for k, v in result.asset_materializations_for_node("probe_asset")[0].metadata.items()}
         warnings = [e.user_message for e in instance.all_logs(result.run_id) if e.level >= logging.WARNING]
-        tags = instance.get_run_by_id(result.run_id).tags
+        return md, warnings, dict(instance.get_run_by_id(result.run_id).tags)
+
+
+def test_a_job_evicted_from_a_pool_with_recover_to_moves_to_the_next_pool(tmp_path, fake_sky):
+    """Evicted from onprem (RECOVERING), whose recover_to names inference: launched there, the old one cancelled."""
+    fake_sky.polls_to_finish, fake_sky.preempt_at, fake_sky.preempt_jobs = 6, {3}, {1}
+    md, warnings, tags = _evicted_from_onprem(tmp_path, fake_sky)
     # The job launched on inference with that pool's labels and env; the one recovering on onprem cancelled.
     first, second = fake_sky.launched
     assert first.resources.copy().pop().labels["gpudoor-pool"] == "onprem"
@@ -222,12 +227,7 @@ def test_a_job_evicted_from_a_pool_with_recover_to_moves_to_the_next_pool(tmp_pa
 def test_an_evicted_job_stays_with_skypilots_recovery_when_no_pool_of_recover_to_can_take_it(tmp_path, fake_sky):
     fake_sky.polls_to_finish, fake_sky.preempt_at = 6, {3}
     fake_sky.full_pools = {"inference"}  # the server says inference is full
-    with dg.instance_for_test() as instance:
-        client = _client(tmp_path, fake_sky, fleet_file=_fleet_recovering_onprem_to(tmp_path, "inference"))
-        result = dg.materialize([probe_asset], partition_key="shard-007", instance=instance, resources={"skypilot": client})
-        assert result.success
-        md = {k: v.value for k, v in result.asset_materializations_for_node("probe_asset")[0].metadata.items()}
-        warnings = [e.user_message for e in instance.all_logs(result.run_id) if e.level >= logging.WARNING]
+    md, warnings, _ = _evicted_from_onprem(tmp_path, fake_sky)
     assert len(fake_sky.launched) == 1 and fake_sky.cancelled == []
     assert md["job_id"] == "1" and md["pool"] == "onprem" and md["recoveries"] == 1
     assert any("no pool of its recover_to can take it now (inference:" in w and "SkyPilot recovers it on 'onprem'" in w for w in warnings)
