@@ -34,7 +34,7 @@ from gpudoor_pipelines.launch.backends.base import (
 )
 from gpudoor_pipelines.launch.errors import LaunchConfigError, PoolFull
 from gpudoor_pipelines.launch.routing import Route, Usage
-from gpudoor_pipelines.launch.rules import LABEL_POOL, LABEL_USER
+from gpudoor_pipelines.launch.rules import LABEL_POOL, LABEL_USER, STEP_CLUSTER_PREFIX
 from gpudoor_pipelines.launch.specs import gpus_per_node
 
 _QUEUE_FIELDS = [
@@ -522,8 +522,6 @@ class SkyPilotBackend(Backend):
         time it was up."""
         sky = _sky()
         from gpudoor_pipelines.launch.policy import INTERACTIVE_PREFIXES
-        from gpudoor_pipelines.launch.rules import STEP_CLUSTER_PREFIX
-
         now = time.time()
         records = self._read(lambda: sky.cost_report(days=max(1, math.ceil((now - since) / 86400.0) + 1)))
         out = []
@@ -556,8 +554,6 @@ class SkyPilotBackend(Backend):
         import yaml
 
         from gpudoor_pipelines.launch.policy import INTERACTIVE_PREFIXES
-        from gpudoor_pipelines.launch.rules import STEP_CLUSTER_PREFIX
-
         sky = _sky()
         records, *_ = self._read(
             lambda: sky.jobs.queue_v2(refresh=False, skip_finished=True, all_users=True, fields=_HOLDING_FIELDS)
@@ -668,8 +664,6 @@ class SkyPilotBackend(Backend):
 
     def stop_service(self, cluster_name: str) -> bool:
         """``sky.down`` of the service's cluster (a step cluster's job is then never relaunched)."""
-        from gpudoor_pipelines.launch.rules import STEP_CLUSTER_PREFIX
-
         if cluster_name.startswith(STEP_CLUSTER_PREFIX):
             return step_clusters.release_cluster(cluster_name, wait=True)
         sky = _sky()

@@ -31,6 +31,7 @@ from gpudoor_pipelines.launch.backends.base import Holding, JobInfo, JobState, L
 from gpudoor_pipelines.launch.errors import LaunchConfigError
 from gpudoor_pipelines.launch.request import slug
 from gpudoor_pipelines.launch.rules import LABEL_POOL, LABEL_USER, STEP_CLUSTER_PREFIX
+from gpudoor_pipelines.launch.specs import gpus_per_node
 
 if TYPE_CHECKING:
     from gpudoor_pipelines.launch.backends.skypilot import SkyPilotBackend
@@ -327,6 +328,6 @@ def clusters_held(records: Iterable[Mapping[str, Any]]) -> list[tuple[str, str, 
         if not labels.get(LABEL_POOL):
             continue
         nodes = int(getattr(handle, "launched_nodes", None) or 1)
-        gpus = sum(float(n) for n in (getattr(resources, "accelerators", None) or {}).values())
-        out.append((str(labels[LABEL_POOL]), str(labels.get(LABEL_USER, "unknown")), int(gpus * nodes), 0))
+        gpus = gpus_per_node(getattr(resources, "accelerators", None))
+        out.append((str(labels[LABEL_POOL]), str(labels.get(LABEL_USER, "unknown")), gpus * nodes, 0))
     return out
