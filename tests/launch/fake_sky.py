@@ -96,6 +96,8 @@ class FakeSky:
         self.cluster_exit = 0  # what ``sky.tail_logs`` of a cluster's job returns (0 succeeded, 100 failed)
         self.lose_clusters = 0  # the next n clusters' allocations are lost while their job runs (preempted)
         self.status_interrupt_after: int | None = None  # raise ``interrupt`` from the n-th sky.status of named clusters
+        self.stream_drops = 0  # the next n log streams of a cluster's job break off while the job runs on
+        self.job_status_errors = 0  # the next n sky.job_status requests fail (the API server does not answer)
         self.jobs = types.SimpleNamespace(launch=self._launch, queue_v2=self._queue_v2, tail_logs=self._tail_logs, cancel=self._cancel,
                                           pool_status=self._pool_status, pool_down=self._pool_down)  # fmt: skip
         self.server = types.SimpleNamespace(common=types.SimpleNamespace(get_server_url=lambda: endpoint))
@@ -145,6 +147,9 @@ class FakeSky:
     def tail_logs(self, cluster_name: str, job_id: int, follow: bool = True, tail: int = 0, output_stream=None) -> int:
         """``sky.tail_logs`` of a cluster's job: its lines, then its exit code (a lost cluster's stream breaks)."""
         output_stream.write(f"cluster {cluster_name} job {job_id} says hello\n")
+        if follow and self.stream_drops:
+            self.stream_drops -= 1
+            return 255
         if follow and self.lose_clusters:
             self.lose_clusters -= 1
             seen = self.requests.get("status", 0)
@@ -159,6 +164,9 @@ class FakeSky:
 
     def job_status(self, cluster_name: str, job_ids: list[int]) -> dict[int, Any]:
         self._count("job_status")
+        if self.job_status_errors:
+            self.job_status_errors -= 1
+            raise ConnectionError("the API server did not answer")
         return {i: "FAILED" if self.cluster_exit else "SUCCEEDED" for i in job_ids}
 
     def get(self, request: Any) -> Any:

@@ -147,3 +147,30 @@ def test_step_clusters_up_or_starting_count_against_the_caps(tmp_path, sky_api):
     assert clusters_held(sky_api.up) == [("h200", "ana", 1, 0), ("h200", "ana", 16, 0)]
     usage = _client(tmp_path, sky_api).get_backend().usage()
     assert usage.gpus == {"h200": 17} and usage.user_gpus == {("ana", "h200"): 17}
+
+
+def test_a_step_whose_cluster_cannot_be_looked_at_for_a_while_looks_again_and_ends(tmp_path, sky_api, monkeypatch):
+    from gpudoor_pipelines.launch.backends import step_clusters
+
+    monkeypatch.setattr(step_clusters, "_LOOK_AGAIN_S", (0.01,))
+    # The job's log stream breaks off while it runs, and twice the API server then fails to answer; the third
+    # look finds the job ended.
+    sky_api.stream_drops, sky_api.job_status_errors = 3, 2
+    result, logs, _ = _materialize(tmp_path, sky_api)
+    assert result.success and _metadata(result)["status"] == "SUCCEEDED"
+    messages = [m for _, m in logs]
+    assert sum("could not look at cluster" in m and "ConnectionError" in m for m in messages) == 2, messages
+    assert len(sky_api.cluster_launches) == 1 and sky_api.up == []
+
+
+def test_a_step_whose_cluster_stays_out_of_sight_fails_with_why_instead_of_waiting_forever(tmp_path, sky_api, monkeypatch):
+    from gpudoor_pipelines.launch.backends import step_clusters
+
+    monkeypatch.setattr(step_clusters, "_LOOK_AGAIN_S", (0.01,))
+    sky_api.stream_drops = sky_api.job_status_errors = step_clusters.MAX_LOOK_ERRORS
+    result, _, _ = _materialize(tmp_path, sky_api)
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.is_step_failure]
+    text = failure.step_failure_data.user_failure_data.description
+    assert "lost track of cluster gpudoor-step-" in text and "ConnectionError" in text
+    assert sky_api.up == []  # torn down, as after any end

@@ -41,6 +41,10 @@ if TYPE_CHECKING:
 MAX_RELAUNCHES = 3
 # sky.exceptions.JobExitCode: what ``sky.tail_logs(follow=True)`` returns when the job has ended.
 _EXIT_SUCCEEDED, _EXIT_CANCELLED = 0, 103
+#: A follower that cannot reach the API server or the cluster looks again after these waits (seconds); after
+#: ``MAX_LOOK_ERRORS`` failed looks in a row the step fails (its cluster is torn down, as for any end).
+_LOOK_AGAIN_S = (1.0, 2.0, 5.0, 10.0, 30.0)
+MAX_LOOK_ERRORS = 10
 _STEPS: dict[str, _Step] = {}
 _LOCK = threading.Lock()
 
@@ -190,29 +194,51 @@ def follow(backend: SkyPilotBackend, job_id: str) -> LogFollower:
 
 
 def _follow(backend: SkyPilotBackend, step: _Step, out) -> None:
+    """Follows the job's log until its end is decided. It never ends undecided: the step waits on it."""
+    errors = 0
+    try:
+        while step.state is None:
+            try:
+                _follow_once(backend, step, out)
+                errors = 0
+            except Exception as e:  # noqa: BLE001 - the API server or the cluster did not answer: look again
+                errors += 1
+                if errors >= MAX_LOOK_ERRORS:
+                    step.decide(JobState.FAILED, f"lost track of cluster {step.cluster} after {errors} failed looks: "
+                                                 f"{type(e).__name__}: {e}")  # fmt: skip
+                    return
+                wait = _LOOK_AGAIN_S[min(errors, len(_LOOK_AGAIN_S)) - 1]
+                out.write(f"[gpudoor] could not look at cluster {step.cluster} ({type(e).__name__}: {e}); "
+                          f"looking again in {wait:g} s\n")  # fmt: skip
+                time.sleep(wait)
+    finally:
+        step.decide(JobState.FAILED, f"stopped following cluster {step.cluster}")  # no-op once decided
+
+
+def _follow_once(backend: SkyPilotBackend, step: _Step, out) -> None:
+    """One log stream of the job, to its end; then what that end meant (decided, or followed again)."""
     from gpudoor_pipelines.launch.backends.skypilot import _sky
 
     sky = _sky()
-    while step.state is None:
-        try:
-            code = sky.tail_logs(step.cluster, step.sky_job_id, follow=True, output_stream=out)
-        except Exception as e:  # noqa: BLE001 - the cluster decides below what the end of the stream meant
-            out.write(f"[gpudoor] log stream ended: {type(e).__name__}: {e}\n")
-            code = None
-        if step.released:
-            step.decide(JobState.CANCELLED, "cancelled by the door")
-        elif code == _EXIT_SUCCEEDED:
-            step.decide(JobState.SUCCEEDED)
-        elif code == _EXIT_CANCELLED:
-            step.decide(JobState.CANCELLED, f"cancelled on its cluster {step.cluster}")
-        elif _cluster_up(backend, step.cluster):
-            state = _job_state(step.cluster, step.sky_job_id)
-            if state is None or state.is_terminal:
-                step.decide(state or JobState.FAILED, "" if state else f"cluster {step.cluster} has no job {step.sky_job_id}")
-            else:  # the stream dropped while the job runs: follow it again
-                time.sleep(1.0)
-        else:
-            _relaunch(step, out)
+    try:
+        code = sky.tail_logs(step.cluster, step.sky_job_id, follow=True, output_stream=out)
+    except Exception as e:  # noqa: BLE001 - the cluster decides below what the end of the stream meant
+        out.write(f"[gpudoor] log stream ended: {type(e).__name__}: {e}\n")
+        code = None
+    if step.released:
+        step.decide(JobState.CANCELLED, "cancelled by the door")
+    elif code == _EXIT_SUCCEEDED:
+        step.decide(JobState.SUCCEEDED)
+    elif code == _EXIT_CANCELLED:
+        step.decide(JobState.CANCELLED, f"cancelled on its cluster {step.cluster}")
+    elif _cluster_up(backend, step.cluster):
+        state = _job_state(step.cluster, step.sky_job_id)
+        if state is None or state.is_terminal:
+            step.decide(state or JobState.FAILED, "" if state else f"cluster {step.cluster} has no job {step.sky_job_id}")
+        else:  # the stream dropped while the job runs: follow it again
+            time.sleep(1.0)
+    else:
+        _relaunch(step, out)
 
 
 def _cluster_up(backend: SkyPilotBackend, cluster: str) -> bool:
