@@ -23,12 +23,18 @@ dev: $(STAMP)
 # starve the 2-core machine: the bed's job controllers and the rest slow down.
 SLOW_SLURM := tests/slurm/test_preemption_on_slurm.py tests/slurm/test_step_cluster_on_slurm.py tests/slurm/test_eviction_on_slurm.py \
               tests/slurm/test_caption_preemption_on_slurm.py
+# Each lane has a bound (a test has its own: pytest-timeout in pyproject.toml), so a lane that hangs is cut off
+# and its log printed, and `make test` fails saying so.
+BED_LANE_TIMEOUT_S ?= 2700
 test: $(STAMP)
-	@$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests/slurm $(addprefix --ignore=,$(SLOW_SLURM)) > .pytest-slurm.log 2>&1 & slurm=$$!; \
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider $(SLOW_SLURM) > .pytest-slurm-slow.log 2>&1 & slow=$$!; \
-	$(VENV)/bin/python -m pytest -q --ignore=tests/slurm; rest=$$?; \
+	@timeout -k 30 $(BED_LANE_TIMEOUT_S) $(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=0 tests/slurm \
+	  $(addprefix --ignore=,$(SLOW_SLURM)) > .pytest-slurm.log 2>&1 & slurm=$$!; \
+	timeout -k 30 $(BED_LANE_TIMEOUT_S) $(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=0 $(SLOW_SLURM) \
+	  > .pytest-slurm-slow.log 2>&1 & slow=$$!; \
+	$(VENV)/bin/python -m pytest -q --durations=10 --ignore=tests/slurm; rest=$$?; \
 	wait $$slurm; slurm_rc=$$?; wait $$slow; slow_rc=$$?; \
 	echo "== tests/slurm (ran side by side)"; cat .pytest-slurm.log .pytest-slurm-slow.log; \
+	for rc in $$slurm_rc $$slow_rc; do [ $$rc -lt 124 ] || echo "== a Slurm lane was cut off after $(BED_LANE_TIMEOUT_S) s (exit $$rc)"; done; \
 	exit $$(( rest != 0 || slurm_rc != 0 || slow_rc != 0 ))
 
 lint: $(STAMP)

@@ -162,19 +162,20 @@ def _bring_up() -> None:
     started = time.time()
     # The bed runs the project's admin policy, as a team's API server does.
     env = {"GPUDOOR_TESTBED_ADMIN_POLICY": "gpudoor_pipelines.launch.policy.GpuDoorPolicy", **os.environ}
-    proc = subprocess.run(
-        ["bash", "-c", f"bash {TESTBED_DIR / 'up.sh'} && bash {TESTBED_DIR / 'node_env.sh'}"],
-        capture_output=True,
-        text=True,
-        timeout=UP_TIMEOUT_S,
-        env=env,
-    )
-    if proc.returncode != 0:
-        pytest.fail(
-            f"testbed/up.sh failed (exit {proc.returncode}, {time.time() - started:.0f}s)\n"
-            f"--- stderr\n{proc.stderr[-6000:]}\n--- stdout\n{proc.stdout[-2000:]}",
-            pytrace=False,
-        )
+    # Its output goes to a file, not a pipe: the daemons it starts would hold a pipe open, and a wait for
+    # the pipe's end would outlive the timeout.
+    log = TESTBED_DIR / ".bring-up.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["bash", "-c", f"bash {TESTBED_DIR / 'up.sh'} && bash {TESTBED_DIR / 'node_env.sh'}"],
+                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)  # fmt: skip
+        try:
+            returncode = proc.wait(timeout=UP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            returncode = f"none: cut off after {UP_TIMEOUT_S:.0f} s"
+    if returncode != 0:
+        pytest.fail(f"testbed/up.sh failed (exit {returncode}, {time.time() - started:.0f}s)\n"
+                    f"--- {log} (tail)\n{log.read_text(errors='replace')[-8000:]}", pytrace=False)  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -334,11 +335,6 @@ class ManagedJobs:
                 parts.append(f"--- logs of managed job {job_id}\n{self.logs(job_id)}")
             except Exception as e:  # noqa: BLE001 - diagnostics only
                 parts.append(f"--- managed job {job_id}: could not read logs: {e!r}")
-        try:
-            parts.append(f"--- squeue\n{squeue()}")
-        except Exception as e:  # noqa: BLE001
-            parts.append(f"--- squeue failed: {e!r}")
-        parts.append(f"--- {self.bed.server_log} (tail)\n{self.bed.server_log_tail()}")
         return "\n".join(parts)
 
     def cleanup(self) -> None:
@@ -349,6 +345,47 @@ class ManagedJobs:
                     self.cancel(job_id)
             except Exception:  # noqa: BLE001 - best effort
                 pass
+
+
+def bed_state(bed: Testbed) -> str:
+    """What the bed holds and what its API server is doing: printed when a test fails or times out."""
+    import sky
+
+    parts = []
+    try:
+        parts.append(f"--- squeue\n{squeue()}")
+    except Exception as e:  # noqa: BLE001 - diagnostics only
+        parts.append(f"--- squeue failed: {e!r}")
+    try:
+        records, *_ = sky.get(sky.jobs.queue_v2(refresh=False, all_users=True, skip_finished=True,
+                                                fields=["job_id", "job_name", "status", "recovery_count", "labels"]))  # fmt: skip
+        parts.append("--- unfinished managed jobs\n" + "\n".join(
+            f"{r['job_id']} {r['job_name']} {ManagedJobs.status_of(r)} recoveries={r['recovery_count']} {r.get('labels')}" for r in records))  # fmt: skip
+    except Exception as e:  # noqa: BLE001
+        parts.append(f"--- managed jobs: {e!r}")
+    try:
+        clusters = sky.get(sky.status(all_users=True))
+        parts.append("--- clusters\n" + "\n".join(f"{c['name']} {c['status']}" for c in clusters))
+    except Exception as e:  # noqa: BLE001
+        parts.append(f"--- clusters: {e!r}")
+    try:
+        # The requests not finished (the server's own daemons left out): what holds its workers.
+        requests = [r for r in sky.api_status() if not r.request_id.endswith("-daemon")]
+        parts.append("--- API server requests not finished\n" + "\n".join(
+            f"{r.request_id[:8]} {r.name} {r.schedule_type} {r.status} cluster={r.cluster_name} created={r.created_at:.0f}" for r in requests))  # fmt: skip
+    except Exception as e:  # noqa: BLE001
+        parts.append(f"--- API server requests: {e!r}")
+    parts.append(f"--- {bed.server_log} (tail)\n{bed.server_log_tail()}")
+    return "\n".join(parts)
+
+
+@pytest.fixture(autouse=True)
+def _bed_state_on_failure(testbed: Testbed, request):
+    """A failed test (a timed-out one included) prints the bed's state: what is held, what the server is doing."""
+    yield
+    report = getattr(request.node, "rep_call", None)
+    if report is not None and report.failed:
+        print(bed_state(testbed))
 
 
 @pytest.fixture

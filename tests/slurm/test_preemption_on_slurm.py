@@ -26,12 +26,13 @@ from tests.slurm.conftest import squeue
 from tests.slurm.test_client_on_slurm import BED_FLEET, REPO_ROOT, _managed
 from workloads.synthetic import caption_text, generate_image, image_id
 
-pytestmark = pytest.mark.slurm
-
 MAX_STEPS, CHECKPOINT_EVERY = 40, 10
 #: From the job's submission to the end of the recovered run: provisioning, the preemption seen by
 #: SkyPilot's controller (measured 20-30 s), the recovery (about 3 min on the idle bed), the rest of the run.
 PATIENCE_S = 900.0
+
+# More than the 900 s every other test may take (pyproject's pytest-timeout): the patience, and the checks after.
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(PATIENCE_S + 300)]
 
 
 def _dataset(bucket, prefix: str, count: int = 48) -> str:
