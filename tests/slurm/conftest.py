@@ -15,6 +15,7 @@ import os
 import shlex
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -92,6 +93,64 @@ def squeue() -> list[dict[str, str]]:
         check=True,
     ).stdout
     return [dict(zip(fields, line.split("|"), strict=False)) for line in out.splitlines() if line.strip()]
+
+
+def running_allocation(job_id: int) -> dict[str, str] | None:
+    """The running Slurm allocation under managed job ``job_id`` (its squeue entry), or None.
+
+    Found in ``squeue`` by the name SkyPilot gives the job's cluster (the Slurm job is named after it): the
+    queue's ``cluster_name_on_cloud`` can still name an earlier launch attempt's allocation, long gone.
+    """
+    import sky
+    from sky.jobs.utils import generate_managed_job_cluster_name
+
+    records, *_ = sky.get(sky.jobs.queue_v2(refresh=False, all_users=True, job_ids=[job_id], fields=["job_id", "job_name", "status"]))
+    if not records or str(getattr(records[0].status, "value", records[0].status)) != "RUNNING":
+        return None
+    prefix = generate_managed_job_cluster_name(records[0].job_name, job_id) + "-"
+    running = [j for j in squeue() if j["name"].startswith(prefix) and j["state"] == "RUNNING"]
+    return running[0] if running else None
+
+
+class Preempter:
+    """Runs ``attempt`` about every second in a thread until it returns something (what it preempted) or
+    ``within_s`` pass. A failed attempt (the API server busy, a read racing the run) is kept, and the next
+    one goes on: a test says why nothing was preempted instead of waiting for a job that was never touched."""
+
+    def __init__(self, attempt, within_s: float) -> None:
+        self.attempt, self.within_s = attempt, within_s
+        self.result: dict | None = None
+        self.errors: list[str] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Preempter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + self.within_s
+        while time.monotonic() < deadline:
+            try:
+                result = self.attempt()
+            except Exception as e:  # noqa: BLE001 - kept for the test's message; the next attempt goes on
+                self.errors.append(f"{type(e).__name__}: {e}")
+                result = None
+            if result:
+                self.result = result
+                return
+            time.sleep(1)
+
+    def why_not(self) -> str:
+        """Why nothing was preempted (for an assertion's message)."""
+        return f"nothing preempted within {self.within_s:.0f} s; failed attempts: {len(self.errors)} {self.errors[-3:]}"
+
+
+def scancel(slurm_job_id: str) -> None:
+    """Cancels a Slurm allocation, as Slurm does when it takes the nodes back."""
+    subprocess.run(["scancel", slurm_job_id], check=True, timeout=30)
 
 
 @dataclass

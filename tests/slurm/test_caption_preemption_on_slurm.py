@@ -6,8 +6,6 @@ Nothing is faked. It runs in the lane of the preempted training (see the Makefil
 """
 
 import io
-import subprocess
-import threading
 import time
 
 import dagster as dg
@@ -15,7 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from gpudoor_pipelines.captions import done_shards
-from tests.slurm.conftest import squeue
+from gpudoor_pipelines.launch.request import slug
+from tests.slurm.conftest import Preempter, scancel, squeue
 from tests.slurm.test_client_on_slurm import _logs, _resource
 
 pytestmark = pytest.mark.slurm
@@ -38,29 +37,26 @@ def test_a_preempted_caption_job_resumes_its_shard_at_its_last_part(testbed, tra
                                                      "image_size": 16}}}}  # fmt: skip
     assert job.execute_in_process(instance=instance, asset_selection=[dg.AssetKey("dataset_shards")], run_config=dataset).success
     (shard,) = instance.get_dynamic_partitions("shards")
-    preempted: dict = {}
 
-    def preempt_after_first_part() -> None:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            parts = [k for k in bucket.list_keys("captions/") if shard in k and k.endswith(".parquet")]
-            workers = [j for j in squeue() if "gpudoor-caption" in j["name"]]
-            if parts and workers:
-                preempted.update(parts=len(parts), allocation=workers[0]["name"])
-                subprocess.run(["scancel", "--name", workers[0]["name"]], check=True, timeout=30)
-                return
-            time.sleep(1)
+    def preempt_after_first_part() -> dict | None:
+        parts = [k for k in bucket.list_keys("captions/") if shard in k and k.endswith(".parquet")]
+        # The workers of this run's pool (another test's pool may be up beside it).
+        pool = f"gpudoor-caption-{slug(instance.get_runs(limit=1)[0].run_id, 8)}"
+        workers = [j for j in squeue() if j["name"].startswith(pool) and j["state"] == "RUNNING"]
+        if not (parts and workers):
+            return None
+        scancel(workers[0]["job_id"])
+        return {"parts": len(parts), "allocation": workers[0]["name"]}
 
-    preempter = threading.Thread(target=preempt_after_first_part, daemon=True)
-    preempter.start()
     env = {"IMAGES_PER_PART": str(PER_PART), "WORKLOAD_THROTTLE_S": "4"}
-    result = job.execute_in_process(
-        instance=instance, asset_selection=[dg.AssetKey("caption_shards")], raise_on_error=False, partition_key=shard,
-        run_config={"ops": {"caption_shards": {"config": {"shards_per_job": 1, "max_workers": 1, "max_attempts": 2, "env": env}}}},
-    )  # fmt: skip
-    preempter.join(timeout=5)
+    with Preempter(preempt_after_first_part, within_s=600) as preempter:
+        result = job.execute_in_process(
+            instance=instance, asset_selection=[dg.AssetKey("caption_shards")], raise_on_error=False, partition_key=shard,
+            run_config={"ops": {"caption_shards": {"config": {"shards_per_job": 1, "max_workers": 1, "max_attempts": 2, "env": env}}}},
+        )  # fmt: skip
     logs = _logs(instance, result.run_id)
-    assert preempted, "the shard was captioned before its job could be preempted:\n" + "\n".join(logs[-40:])
+    preempted = preempter.result
+    assert preempted, f"the shard was captioned before its job could be preempted ({preempter.why_not()}):\n" + "\n".join(logs[-40:])
     assert result.success, "\n".join(logs[-60:])
     record = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=dg.AssetKey("caption_shards"), asset_partitions=[shard]),
                                              limit=1).records[0]  # fmt: skip

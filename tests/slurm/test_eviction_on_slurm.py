@@ -7,8 +7,6 @@ recovering, verifies its release and follows the new job to its end. Nothing is 
 lane of the preempted training (see the Makefile).
 """
 
-import subprocess
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -18,7 +16,7 @@ import pytest
 import yaml
 
 from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
-from tests.slurm.conftest import squeue
+from tests.slurm.conftest import Preempter, running_allocation, scancel, squeue
 from tests.slurm.test_client_on_slurm import _logs, _managed, _resource
 
 pytestmark = pytest.mark.slurm
@@ -41,29 +39,24 @@ def test_a_job_evicted_from_inference_moves_to_the_pool_its_recover_to_names(tes
         return skypilot.run(context=context, request=request).get_materialize_result()
 
     instance = dg.DagsterInstance.ephemeral()
-    evicted_job: dict = {}
 
-    def evict_once_running() -> None:
-        deadline = time.monotonic() + 400
-        while time.monotonic() < deadline:
-            for r in instance.get_runs():
-                if not marker.exists():
-                    continue
-                job_id = next(v.split(":", 1)[1] for k, v in r.tags.items() if k.startswith("gpudoor/job-"))
-                record = _managed(int(job_id))
-                if record.cluster_name_on_cloud:
-                    evicted_job.update(job_id=job_id, allocation=record.cluster_name_on_cloud)
-                    subprocess.run(["scancel", "--name", record.cluster_name_on_cloud], check=True, timeout=30)
-                    return
-            time.sleep(1)
+    def evict_once_running() -> dict | None:
+        if not marker.exists():
+            return None
+        (run,) = instance.get_runs()
+        job_id = next(v.split(":", 1)[1] for k, v in run.tags.items() if k.startswith("gpudoor/job-"))
+        allocation = running_allocation(int(job_id))
+        if allocation is None:
+            return None
+        scancel(allocation["job_id"])
+        return {"job_id": job_id, "allocation": allocation["name"]}
 
-    evictor = threading.Thread(target=evict_once_running, daemon=True)
-    evictor.start()
-    result = dg.materialize([evicted], instance=instance, resources={"skypilot": _resource(testbed, transit, specs)},
-                            raise_on_error=False)  # fmt: skip
-    evictor.join(timeout=5)
+    with Preempter(evict_once_running, within_s=600) as evictor:
+        result = dg.materialize([evicted], instance=instance, resources={"skypilot": _resource(testbed, transit, specs)},
+                                raise_on_error=False)  # fmt: skip
     logs = _logs(instance, result.run_id)
-    assert evicted_job, "the job ended before it could be evicted:\n" + "\n".join(logs[-40:])
+    evicted_job = evictor.result
+    assert evicted_job, f"the job ended before it could be evicted ({evictor.why_not()}):\n" + "\n".join(logs[-40:])
     assert result.success, "\n".join(logs[-60:])
     md = {k: v.value for k, v in result.asset_materializations_for_node("evicted")[0].metadata.items()}
     old = evicted_job["job_id"]

@@ -10,8 +10,6 @@ the cluster gone and recovers the job on a new allocation (``job_recovery: FAILO
 
 import io
 import re
-import subprocess
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -22,8 +20,8 @@ import pytest
 import yaml
 
 from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
-from tests.slurm.conftest import squeue
-from tests.slurm.test_client_on_slurm import BED_FLEET, REPO_ROOT, _managed
+from tests.slurm.conftest import Preempter, running_allocation, scancel, squeue
+from tests.slurm.test_client_on_slurm import BED_FLEET, REPO_ROOT
 from workloads.synthetic import caption_text, generate_image, image_id
 
 MAX_STEPS, CHECKPOINT_EVERY = 40, 10
@@ -79,30 +77,24 @@ def test_a_preempted_training_resumes_from_its_last_checkpoint_and_says_what_it_
         return skypilot.run(context=context, request=request).get_materialize_result()
 
     instance = dg.DagsterInstance.ephemeral()
-    preempted: dict = {}
 
-    def preempt_after_first_checkpoint() -> None:
-        deadline = time.monotonic() + PATIENCE_S
-        while time.monotonic() < deadline and not preempted:
-            runs = instance.get_runs()
-            job_ids = [v.split(":", 1)[1] for r in runs for k, v in r.tags.items() if k.startswith("gpudoor/job-")]
-            if job_ids and _checkpoints(bucket, output):
-                record = _managed(int(job_ids[0]))
-                if record.status.value == "RUNNING" and record.cluster_name_on_cloud:
-                    preempted["saved"] = _checkpoints(bucket, output)[-1]
-                    preempted["allocation"] = record.cluster_name_on_cloud
-                    preempted["job_id"] = job_ids[0]
-                    subprocess.run(["scancel", "--name", record.cluster_name_on_cloud], check=True, timeout=30)
-                    preempted["at"] = time.time()
-                    return
-            time.sleep(1)
+    def preempt_after_first_checkpoint() -> dict | None:
+        runs = instance.get_runs()
+        job_ids = [v.split(":", 1)[1] for r in runs for k, v in r.tags.items() if k.startswith("gpudoor/job-")]
+        saved = _checkpoints(bucket, output)
+        if not job_ids or not saved:
+            return None
+        allocation = running_allocation(int(job_ids[0]))
+        if allocation is None:
+            return None
+        scancel(allocation["job_id"])
+        return {"saved": saved[-1], "allocation": allocation["name"], "job_id": job_ids[0], "at": time.time()}
 
-    preempter = threading.Thread(target=preempt_after_first_checkpoint, daemon=True)
-    preempter.start()
-    result = dg.materialize([training], instance=instance, resources={"skypilot": client}, raise_on_error=False)
-    preempter.join(timeout=5)
+    with Preempter(preempt_after_first_checkpoint, within_s=PATIENCE_S) as preempter:
+        result = dg.materialize([training], instance=instance, resources={"skypilot": client}, raise_on_error=False)
     logs = [e.user_message for e in instance.all_logs(result.run_id)]
-    assert preempted, "the training ended before it could be preempted:\n" + "\n".join(logs[-40:])
+    preempted = preempter.result
+    assert preempted, f"the training ended before it could be preempted ({preempter.why_not()}):\n" + "\n".join(logs[-40:])
     assert result.success, "\n".join(logs[-60:])
     md = {k: v.value for k, v in result.asset_materializations_for_node("preempted_training")[0].metadata.items()}
 

@@ -5,8 +5,6 @@ the bed's API server (admin policy on), the job's log followed, ``sky.down`` onc
 faked. It runs in the lane of the preempted training (see the Makefile), which is the shortest.
 """
 
-import subprocess
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -16,6 +14,7 @@ import pytest
 import yaml
 
 from gpudoor_pipelines.launch.client import PipesSkyPilotClient
+from tests.slurm.conftest import Preempter, scancel
 from tests.slurm.test_client_on_slurm import _logs, _resource
 
 pytestmark = pytest.mark.slurm
@@ -43,25 +42,19 @@ def test_a_smoke_step_runs_on_a_cluster_of_its_own_relaunched_after_a_preemption
         return skypilot.run(context=context, request=skypilot.request(context, "smoke")).get_materialize_result()
 
     instance = dg.DagsterInstance.ephemeral()
-    preempted: dict = {}
 
-    def preempt_once_running() -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            allocations = [j for j in slurm_queue() if "gpudoor-step" in j["name"]]
-            if marker.exists() and allocations:
-                preempted["allocation"] = allocations[0]["name"]
-                subprocess.run(["scancel", "--name", allocations[0]["name"]], check=True, timeout=30)
-                return
-            time.sleep(1)
+    def preempt_once_running() -> dict | None:
+        allocations = [j for j in slurm_queue() if "gpudoor-step" in j["name"] and j["state"] == "RUNNING"]
+        if not (marker.exists() and allocations):
+            return None
+        scancel(allocations[0]["job_id"])
+        return {"allocation": allocations[0]["name"]}
 
-    preempter = threading.Thread(target=preempt_once_running, daemon=True)
-    preempter.start()
-    result = dg.materialize([preempted_smoke], instance=instance, resources={"skypilot": _resource(testbed, transit, specs)},
-                            raise_on_error=False)  # fmt: skip
-    preempter.join(timeout=5)
+    with Preempter(preempt_once_running, within_s=400) as preempter:
+        result = dg.materialize([preempted_smoke], instance=instance, resources={"skypilot": _resource(testbed, transit, specs)},
+                                raise_on_error=False)  # fmt: skip
     logs = _logs(instance, result.run_id)
-    assert preempted, "the step ended before its cluster could be preempted:\n" + "\n".join(logs[-40:])
+    assert preempter.result, f"the step ended before its cluster could be preempted ({preempter.why_not()}):\n" + "\n".join(logs[-40:])
     assert result.success, "\n".join(logs[-60:])
     md = {k: v.value for k, v in result.asset_materializations_for_node("preempted_smoke")[0].metadata.items()}
     cluster = md["job_id"].split("/")[0]
