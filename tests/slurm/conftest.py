@@ -95,20 +95,26 @@ def squeue() -> list[dict[str, str]]:
     return [dict(zip(fields, line.split("|"), strict=False)) for line in out.splitlines() if line.strip()]
 
 
-def running_allocation(job_id: int) -> dict[str, str] | None:
-    """The running Slurm allocation under managed job ``job_id`` (its squeue entry), or None.
+def allocations_of(job_name: str, job_id: int) -> list[dict[str, str]]:
+    """The Slurm allocations (squeue entries, any state) of managed job ``job_id``'s cluster.
 
-    Found in ``squeue`` by the name SkyPilot gives the job's cluster (the Slurm job is named after it): the
-    queue's ``cluster_name_on_cloud`` can still name an earlier launch attempt's allocation, long gone.
+    Found by the name SkyPilot gives the job's cluster (the Slurm job is named after it, with a suffix):
+    the queue's ``cluster_name_on_cloud`` can still name an earlier launch attempt's allocation, long gone.
     """
-    import sky
     from sky.jobs.utils import generate_managed_job_cluster_name
+
+    prefix = generate_managed_job_cluster_name(job_name, job_id) + "-"
+    return [j for j in squeue() if j["name"].startswith(prefix)]
+
+
+def running_allocation(job_id: int) -> dict[str, str] | None:
+    """The running Slurm allocation under managed job ``job_id`` (its squeue entry), or None."""
+    import sky
 
     records, *_ = sky.get(sky.jobs.queue_v2(refresh=False, all_users=True, job_ids=[job_id], fields=["job_id", "job_name", "status"]))
     if not records or str(getattr(records[0].status, "value", records[0].status)) != "RUNNING":
         return None
-    prefix = generate_managed_job_cluster_name(records[0].job_name, job_id) + "-"
-    running = [j for j in squeue() if j["name"].startswith(prefix) and j["state"] == "RUNNING"]
+    running = [j for j in allocations_of(records[0].job_name, job_id) if j["state"] == "RUNNING"]
     return running[0] if running else None
 
 

@@ -25,6 +25,7 @@ import yaml
 
 from gpudoor_pipelines.automation.reconciler import orphan_reconciler, release_held_gpus_job
 from gpudoor_pipelines.launch.client import PipesSkyPilotClient
+from tests.slurm.conftest import allocations_of
 from tests.slurm.test_client_on_slurm import BED_FLEET, REPO_ROOT, _managed, _spec_dir
 
 pytestmark = pytest.mark.slurm
@@ -35,9 +36,9 @@ pytestmark = pytest.mark.slurm
 RELEASE_BOUND_S = 300.0
 
 
-def _allocated(queue: list[dict], scheduler_name: str) -> bool:
-    """Whether Slurm still has an allocation for the cluster SkyPilot named ``scheduler_name``."""
-    return any(j["name"] == scheduler_name for j in queue)
+def _allocated(record) -> bool:
+    """Whether Slurm still has an allocation for the managed job's cluster."""
+    return bool(allocations_of(record.job_name, record.job_id))
 
 
 def _client(testbed, transit, tmp_path: Path, specs: Path, **reconciler) -> PipesSkyPilotClient:
@@ -130,10 +131,10 @@ def test_a_terminated_run_and_a_killed_run_worker_leave_no_gpu_held(testbed, tra
         assert result.success
         (record,) = result.output_for_node("release_held_gpus")
         assert record["confirmed"] and record["seen"][0] == f"job {killed.job_id}: CANCELLED"
-        while _allocated(slurm_queue(), orphan.cluster_name_on_cloud) and time.monotonic() - known_dead < RELEASE_BOUND_S:
+        while _allocated(orphan) and time.monotonic() - known_dead < RELEASE_BOUND_S:
             time.sleep(2)
         released_s = time.monotonic() - known_dead
-        assert not _allocated(slurm_queue(), orphan.cluster_name_on_cloud), slurm_queue()
+        assert not _allocated(orphan), slurm_queue()
         assert released_s < RELEASE_BOUND_S
         print(f"the killed worker's GPU free on Slurm {released_s:.0f} s after its run was marked failed")
         assert instance.get_run_by_id(runs["killed"].run_id).tags[f"gpudoor/released-job-{killed.job_id}"].startswith("confirmed in")
@@ -148,9 +149,9 @@ def test_a_terminated_run_and_a_killed_run_worker_leave_no_gpu_held(testbed, tra
         tags = instance.get_run_by_id(runs["terminated"].run_id).tags
         assert tags[f"gpudoor/released-job-{terminated.job_id}"].startswith("confirmed in")
         deadline = time.time() + 120
-        while time.time() < deadline and _allocated(slurm_queue(), live.cluster_name_on_cloud):
+        while time.time() < deadline and _allocated(live):
             time.sleep(3)
-        assert not _allocated(slurm_queue(), live.cluster_name_on_cloud), slurm_queue()
+        assert not _allocated(live), slurm_queue()
     finally:
         import sky
 
