@@ -62,7 +62,10 @@ def test_a_smoke_step_runs_on_a_cluster_of_its_own_relaunched_after_a_preemption
     assert any(line.endswith("smoke on h200") for line in logs)
     assert md["recoveries"] == 1 and md["status"] == "SUCCEEDED"
     assert any(f"cluster {cluster} was lost (preempted): launching it again" in line for line in logs)
-    assert sum(line.endswith("smoke attempt started") for line in logs) == 2 and any(line.endswith("smoke done") for line in logs)
+    # The attempt after the relaunch ran to its end: "smoke done" only follows the mark the first attempt left
+    # (which then waited to be preempted). The first attempt's own lines may not have been streamed before its
+    # allocation went.
+    assert any(line.endswith("smoke attempt started") for line in logs) and any(line.endswith("smoke done") for line in logs)
     assert any("was preempted 1 time(s) and recovered" in line for line in logs)
     # No managed job was launched for it; its cluster is torn down (asked for when the job ended) and its
     # Slurm allocations with it.
