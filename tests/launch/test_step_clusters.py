@@ -152,7 +152,8 @@ def test_step_clusters_up_or_starting_count_against_the_caps(tmp_path, sky_api):
 def test_a_step_whose_cluster_cannot_be_looked_at_for_a_while_looks_again_and_ends(tmp_path, sky_api, monkeypatch):
     from gpudoor_pipelines.launch.backends import step_clusters
 
-    monkeypatch.setattr(step_clusters, "_LOOK_AGAIN_S", (0.01,))
+    monkeypatch.setattr(step_clusters, "_LOOK_AGAIN_FIRST_S", 0.01)
+    monkeypatch.setattr(step_clusters, "_LOOK_AGAIN_MOST_S", 0.01)
     # The job's log stream breaks off while it runs, and twice the API server then fails to answer; the third
     # look finds the job ended.
     sky_api.stream_drops, sky_api.job_status_errors = 3, 2
@@ -166,7 +167,8 @@ def test_a_step_whose_cluster_cannot_be_looked_at_for_a_while_looks_again_and_en
 def test_a_step_whose_cluster_stays_out_of_sight_fails_with_why_instead_of_waiting_forever(tmp_path, sky_api, monkeypatch):
     from gpudoor_pipelines.launch.backends import step_clusters
 
-    monkeypatch.setattr(step_clusters, "_LOOK_AGAIN_S", (0.01,))
+    monkeypatch.setattr(step_clusters, "_LOOK_AGAIN_FIRST_S", 0.01)
+    monkeypatch.setattr(step_clusters, "_LOOK_AGAIN_MOST_S", 0.01)
     sky_api.stream_drops = sky_api.job_status_errors = step_clusters.MAX_LOOK_ERRORS
     result, _, _ = _materialize(tmp_path, sky_api)
     assert not result.success

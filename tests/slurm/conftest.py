@@ -107,14 +107,21 @@ def allocations_of(job_name: str, job_id: int) -> list[dict[str, str]]:
     return [j for j in squeue() if j["name"].startswith(prefix)]
 
 
-def running_allocation(job_id: int) -> dict[str, str] | None:
-    """The running Slurm allocation under managed job ``job_id`` (its squeue entry), or None."""
+def managed_record(job_id: int):
+    """Managed job ``job_id``'s record in SkyPilot's queue (status, labels, infra, name, pool, allocation name)."""
     import sky
 
-    records, *_ = sky.get(sky.jobs.queue_v2(refresh=False, all_users=True, job_ids=[job_id], fields=["job_id", "job_name", "status"]))
-    if not records or str(getattr(records[0].status, "value", records[0].status)) != "RUNNING":
+    records, *_ = sky.get(sky.jobs.queue_v2(refresh=False, all_users=True, job_ids=[job_id],
+                                            fields=["job_id", "status", "labels", "infra", "job_name", "pool", "cluster_name_on_cloud"]))  # fmt: skip
+    return records[0]
+
+
+def running_allocation(job_id: int) -> dict[str, str] | None:
+    """The running Slurm allocation under managed job ``job_id`` (its squeue entry), or None."""
+    record = managed_record(job_id)
+    if record.status.value != "RUNNING":
         return None
-    running = [j for j in allocations_of(records[0].job_name, job_id) if j["state"] == "RUNNING"]
+    running = [j for j in allocations_of(record.job_name, job_id) if j["state"] == "RUNNING"]
     return running[0] if running else None
 
 

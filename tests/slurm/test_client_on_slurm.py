@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
+from tests.slurm.conftest import managed_record as _managed
 
 pytestmark = pytest.mark.slurm
 
@@ -49,14 +50,6 @@ def _probe_asset(name: str = "probe"):
         return skypilot.run(context=context, request=skypilot.request(context, "caption", config=config)).get_materialize_result()
 
     return probe
-
-
-def _managed(job_id: int):
-    import sky
-
-    records, *_ = sky.get(sky.jobs.queue_v2(refresh=False, all_users=True, job_ids=[job_id],
-                                            fields=["job_id", "status", "labels", "infra", "job_name", "pool", "cluster_name_on_cloud"]))  # fmt: skip
-    return records[0]
 
 
 def _logs(instance, run_id) -> list[str]:

@@ -32,6 +32,7 @@ from gpudoor_pipelines.launch.errors import LaunchConfigError
 from gpudoor_pipelines.launch.request import slug
 from gpudoor_pipelines.launch.rules import LABEL_POOL, LABEL_USER, STEP_CLUSTER_PREFIX
 from gpudoor_pipelines.launch.specs import gpus_per_node
+from gpudoor_pipelines.launch.watch import Backoff
 
 if TYPE_CHECKING:
     from gpudoor_pipelines.launch.backends.skypilot import SkyPilotBackend
@@ -41,9 +42,10 @@ if TYPE_CHECKING:
 MAX_RELAUNCHES = 3
 # sky.exceptions.JobExitCode: what ``sky.tail_logs(follow=True)`` returns when the job has ended.
 _EXIT_SUCCEEDED, _EXIT_CANCELLED = 0, 103
-#: A follower that cannot reach the API server or the cluster looks again after these waits (seconds); after
-#: ``MAX_LOOK_ERRORS`` failed looks in a row the step fails (its cluster is torn down, as for any end).
-_LOOK_AGAIN_S = (1.0, 2.0, 5.0, 10.0, 30.0)
+#: A follower that cannot reach the API server or the cluster looks again after a wait that doubles from the
+#: first to the most (seconds); after ``MAX_LOOK_ERRORS`` failed looks in a row the step fails (its cluster
+#: is torn down, as for any end).
+_LOOK_AGAIN_FIRST_S, _LOOK_AGAIN_MOST_S = 1.0, 30.0
 MAX_LOOK_ERRORS = 10
 _STEPS: dict[str, _Step] = {}
 _LOCK = threading.Lock()
@@ -195,19 +197,21 @@ def follow(backend: SkyPilotBackend, job_id: str) -> LogFollower:
 
 def _follow(backend: SkyPilotBackend, step: _Step, out) -> None:
     """Follows the job's log until its end is decided. It never ends undecided: the step waits on it."""
-    errors = 0
+    errors, looks = 0, Backoff(_LOOK_AGAIN_FIRST_S, _LOOK_AGAIN_MOST_S)
     try:
         while step.state is None:
             try:
                 _follow_once(backend, step, out)
                 errors = 0
+                looks.reset()
             except Exception as e:  # noqa: BLE001 - the API server or the cluster did not answer: look again
                 errors += 1
                 if errors >= MAX_LOOK_ERRORS:
                     step.decide(JobState.FAILED, f"lost track of cluster {step.cluster} after {errors} failed looks: "
                                                  f"{type(e).__name__}: {e}")  # fmt: skip
                     return
-                wait = _LOOK_AGAIN_S[min(errors, len(_LOOK_AGAIN_S)) - 1]
+                wait = looks.current
+                looks.after(changed=False)
                 out.write(f"[gpudoor] could not look at cluster {step.cluster} ({type(e).__name__}: {e}); "
                           f"looking again in {wait:g} s\n")  # fmt: skip
                 time.sleep(wait)
