@@ -38,9 +38,18 @@ class Timeline:
     seen: list[tuple[float, JobState, int]] = dataclasses.field(default_factory=list)
 
     def see(self, at: float, info: JobInfo) -> None:
-        """Record the job's state at ``at`` if its state or recovery count changed."""
-        if not self.seen or self.seen[-1][1:] != (info.state, info.recoveries):
-            self.seen.append((at, info.state, info.recoveries))
+        """Record the job's state at ``at`` if its state or recovery count changed.
+
+        A recovery count that went up since the last look, with a recovery the backend dates after that
+        look (``JobInfo.recovered_at``), is dated then: the job was preempted before it ran again, even
+        when the step sees it only after its end.
+        """
+        if self.seen and self.seen[-1][1:] == (info.state, info.recoveries):
+            return
+        if self.seen and info.recovered_at is not None and info.recoveries > self.seen[-1][2]:
+            if self.seen[-1][0] < info.recovered_at < at:
+                at = info.recovered_at
+        self.seen.append((at, info.state, info.recoveries))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -95,6 +95,8 @@ class FakeSky:
         self.cluster_launches: list[tuple[str, Any]] = []  # (cluster name, task) of every sky.launch
         self.cluster_exit = 0  # what ``sky.tail_logs`` of a cluster's job returns (0 succeeded, 100 failed)
         self.lose_clusters = 0  # the next n clusters' allocations are lost while their job runs (preempted)
+        self.cluster_run_s = 0.0  # how long a cluster's job runs before its last line (when not lost)
+        self.relaunch_s = 0.0  # how long a lost cluster takes to come up again
         self.status_interrupt_after: int | None = None  # raise ``interrupt`` from the n-th sky.status of named clusters
         self.stream_drops = 0  # the next n log streams of a cluster's job break off while the job runs on
         self.job_status_errors = 0  # the next n sky.job_status requests fail (the API server does not answer)
@@ -132,6 +134,8 @@ class FakeSky:
 
     def launch(self, task: Any, cluster_name: str, retry_until_up: bool = False, **_: Any) -> tuple[int, None]:
         """``sky.launch``: the cluster is up, its job submitted (job ids count per cluster, from 1)."""
+        if any(name == cluster_name for name, _ in self.cluster_launches):
+            time.sleep(self.relaunch_s)
         with self._lock:
             self._count("cluster_launch")
             (resources,) = task.resources
@@ -153,12 +157,14 @@ class FakeSky:
         if follow and self.lose_clusters:
             self.lose_clusters -= 1
             seen = self.requests.get("status", 0)
-            for _ in range(500):  # it runs until the step has looked at it twice, then its allocation is lost
-                if self.requests.get("status", 0) >= seen + 2:
-                    break
+            # It runs until the step has looked at it twice (30 s at most, for a loaded machine); then its
+            # allocation is lost.
+            deadline = time.monotonic() + 30.0
+            while self.requests.get("status", 0) < seen + 2 and time.monotonic() < deadline:
                 time.sleep(0.01)
             self.up = [c for c in self.up if c["name"] != cluster_name]  # the allocation is gone
             return 100
+        time.sleep(self.cluster_run_s)  # it runs a moment
         output_stream.write(f"cluster {cluster_name} job {job_id} is done\n")
         return self.cluster_exit
 

@@ -48,6 +48,22 @@ def test_a_recovery_missed_between_two_looks_still_counts():
     assert cost.recoveries == 1 and preemption.last_saved_at == 100 and preemption.lost_s == 200
 
 
+def test_a_recovery_seen_only_after_the_job_ended_is_dated_by_the_backend():
+    # The step saw it RUNNING at 0, then SUCCEEDED with one recovery at 300; the backend says it ran again
+    # from 120: the preemption came before 120, and what it ran after that was useful.
+    timeline = Timeline()
+    timeline.see(0, JobInfo("1", R))
+    timeline.see(300, JobInfo("1", OK, recoveries=1, recovered_at=120))
+    cost = preemption_cost(timeline, [100.0], gpus=1, ended_at=301, ran_s=280.0)
+    (preemption,) = cost.preemptions
+    assert preemption.seen_at == 120 and preemption.lost_s == 20 and cost.goodput == pytest.approx(260 / 280)
+    # A recovery the backend dates before the step's last look is an earlier one: the look dates it.
+    stale = Timeline()
+    stale.see(0, JobInfo("1", R, recoveries=1, recovered_at=-50))
+    stale.see(300, JobInfo("1", OK, recoveries=2, recovered_at=-50))
+    assert stale.seen[-1][0] == 300
+
+
 def test_a_job_seen_recovering_but_never_seen_running_still_counts_a_recovery():
     # On a loaded machine the step may look at STARTING, then RECOVERING (SkyPilot's count not yet up), then a
     # job launched in its place (another pool, counting from 0): the job was preempted once.

@@ -7,6 +7,7 @@ tests/slurm/test_client_on_slurm.py (the smoke test through the bed's fleet).
 """
 
 import logging
+import time
 from pathlib import Path
 
 import dagster as dg
@@ -78,17 +79,29 @@ def test_a_failed_job_on_its_cluster_fails_the_step_with_its_log_tail_and_the_cl
 
 
 def test_a_preempted_step_cluster_is_launched_again_and_says_what_it_cost(tmp_path, sky_api):
-    sky_api.lose_clusters = 1
+    sky_api.lose_clusters, sky_api.cluster_run_s = 1, 1.0  # the job on the relaunched cluster runs 1 s
     result, logs, _ = _materialize(tmp_path, sky_api)
     assert result.success
     md = _metadata(result)
     (first, _), (second, _) = sky_api.cluster_launches
     assert first == second and md["job_id"] == f"{first}/1" and md["recoveries"] == 1
-    assert "gpu_hours_lost_to_preemption" in md and 0 < md["goodput"] <= 1
+    # The second run was useful work; the first (nothing saved) was lost.
+    assert 0 < md["gpu_hours_lost_to_preemption"] < md["gpu_hours_held"] and 0 < md["goodput"] < 1
     warnings = [m for level, m in logs if level >= logging.WARNING]
     assert any("was preempted 1 time(s) and recovered" in w for w in warnings), warnings
     assert any(f"cluster {first} was lost (preempted): launching it again" in m for _, m in logs)
     assert sky_api.up == []
+
+
+def test_the_time_a_lost_cluster_takes_to_come_back_is_not_counted_as_held(tmp_path, sky_api):
+    sky_api.lose_clusters, sky_api.cluster_run_s, sky_api.relaunch_s = 1, 1.0, 3.0
+    began = time.time()
+    result, _, _ = _materialize(tmp_path, sky_api)
+    took = time.time() - began
+    assert result.success
+    held_s = _metadata(result)["gpu_hours_held"] * 3600  # one GPU
+    # Both runs count (the second ran 1 s); the 3 s without a cluster do not.
+    assert 1.0 <= held_s <= took - 3.0
 
 
 def test_a_step_cluster_preempted_too_often_fails_the_step_and_nothing_stays_up(tmp_path, sky_api):

@@ -123,6 +123,9 @@ class JobInfo:
     #: Seconds the job ran, time spent recovering after preemptions excluded (SkyPilot's
     #: ``job_duration``); None where the backend does not count it.
     ran_s: float | None = None
+    #: When the job last ran again after a preemption (SkyPilot's ``last_recovered_at``); None when it
+    #: never was, or where the backend does not tell.
+    recovered_at: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)

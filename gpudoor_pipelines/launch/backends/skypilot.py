@@ -39,7 +39,7 @@ from gpudoor_pipelines.launch.specs import gpus_per_node
 
 _QUEUE_FIELDS = [
     "job_id", "job_name", "status", "infra", "cloud", "region", "zone", "recovery_count", "submitted_at", "start_at",
-    "end_at", "job_duration", "failure_reason", "details", "labels", "accelerators", "resources",
+    "end_at", "job_duration", "last_recovered_at", "failure_reason", "details", "labels", "accelerators", "resources",
 ]  # fmt: skip
 # What the reconciler reads of every unfinished job: a pending job has no cluster yet, so its labels
 # come from the task it was launched with.
@@ -846,4 +846,6 @@ def _info(r: Any) -> JobInfo:
         ended_at=r.end_at,
         detail=r.failure_reason or r.details or "",
         ran_s=float(r.job_duration) if r.job_duration is not None and r.start_at else None,
+        # SkyPilot sets it at the first start too: it dates a recovery only once there was one.
+        recovered_at=float(recovered) if (recovered := getattr(r, "last_recovered_at", None)) and r.recovery_count else None,
     )

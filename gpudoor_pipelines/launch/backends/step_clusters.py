@@ -87,6 +87,29 @@ class _Step:
     released: bool = False  # cancelled or torn down by the door: never relaunched
     launch_request: Any = None  # the relaunch's request while it waits for GPUs
     ended_at: float | None = None
+    recovered_at: float | None = None  # when the job was last submitted again on a relaunched cluster
+    ran_before_s: float = 0.0  # seconds it ran on clusters since lost
+    running_since: float | None = None  # when its current run began (None while its cluster is lost)
+
+    def __post_init__(self) -> None:
+        if self.running_since is None:
+            self.running_since = self.started_at or self.launched_at
+
+    def lost(self) -> None:
+        """Its cluster is gone: the run so far counts, the time until it runs again does not."""
+        if self.running_since is not None:
+            self.ran_before_s += time.time() - self.running_since
+            self.running_since = None
+
+    def recovered(self) -> None:
+        """Its job was submitted again on a relaunched cluster."""
+        self.recovered_at = self.running_since = time.time()
+
+    def ran_s(self) -> float:
+        """Seconds it ran, relaunch time left out (as SkyPilot counts a managed job's ``job_duration``)."""
+        if self.running_since is None:
+            return self.ran_before_s
+        return self.ran_before_s + max(0.0, (self.ended_at or time.time()) - self.running_since)
 
     def decide(self, state: JobState, detail: str = "") -> None:
         if self.state is None:
@@ -104,7 +127,7 @@ class _Step:
         started = self.started_at or self.launched_at
         return JobInfo(job_id=job_id, state=state, name=self.cluster, recoveries=self.recoveries,
                        submitted_at=self.launched_at, started_at=started, ended_at=self.ended_at,
-                       detail=self.detail, ran_s=(self.ended_at or time.time()) - started)  # fmt: skip
+                       detail=self.detail, ran_s=self.ran_s(), recovered_at=self.recovered_at)  # fmt: skip
 
 
 def launch(backend: SkyPilotBackend, job: ResolvedJob) -> str:
@@ -260,6 +283,7 @@ def _relaunch(step: _Step, out) -> None:
     """The cluster was lost under a running job: the same task on the same cluster name, again."""
     from gpudoor_pipelines.launch.backends.skypilot import _sky
 
+    step.lost()
     if step.task is None or step.recoveries >= MAX_RELAUNCHES:
         why = "it was launched by another process" if step.task is None else f"relaunched {step.recoveries} times already"
         step.decide(JobState.FAILED_NO_RESOURCE, f"its cluster {step.cluster} was lost (preempted); not relaunched: {why}")
@@ -274,6 +298,7 @@ def _relaunch(step: _Step, out) -> None:
             step.launch_request = sky.launch(step.task, cluster_name=step.cluster, retry_until_up=True)
             sky_job_id, _ = sky.get(step.launch_request)
             step.sky_job_id = int(sky_job_id)
+            step.recovered()
         if step.released:  # cancelled while it was being launched again: it goes at once
             _down_quietly(step.cluster, wait=True)
     except Exception as e:  # noqa: BLE001 - the step fails with the reason
