@@ -32,7 +32,7 @@ import sky  # noqa: E402
 from sky.server.requests.request_names import AdminPolicyRequestName  # noqa: E402
 
 from gpudoor_pipelines.launch.errors import LaunchConfigError, PoolFull  # noqa: E402
-from gpudoor_pipelines.launch.fleet import Fleet, load_fleet  # noqa: E402
+from gpudoor_pipelines.launch.fleet import Fleet, load_fleet, normalize_infra  # noqa: E402
 from gpudoor_pipelines.launch.routing import Usage, route  # noqa: E402
 from gpudoor_pipelines.launch.rules import (  # noqa: E402
     LABEL_KEY_ENV,
@@ -102,6 +102,28 @@ def _only_tpus(resources: dict[str, Any]) -> bool:
     return bool(names) and all(n.lower().startswith("tpu-") for n in names)
 
 
+def back_on_its_pool(config: dict[str, Any], fleet: Fleet) -> dict[str, Any]:
+    """A managed job's cluster relaunched after a preemption, asked for where its pool is.
+
+    SkyPilot's ``FAILOVER`` recovery first relaunches a job's cluster in the region it ran in: its
+    launched cloud and region, the zone dropped (``slurm/<cluster>``, no partition). Where the fleet's
+    pools are zones (Slurm partitions), no pool is that whole region: the rules would refuse the launch,
+    and SkyPilot would try it again three times, a minute or more apart, before it relaunched as the job
+    was first launched. The job's pool (its ``gpudoor-pool`` label, set when the job was admitted) is in
+    that region: the relaunch goes back onto that pool's infra, which is what "the same region first"
+    means for the fleet. It is done on every pass of the rules (the controller's own client-side pass,
+    the server's validation, the launch); a region without such a label is still refused.
+    """
+    resources = config.get("resources") or {}
+    infra = resources.get("infra")
+    pool = fleet.pools.get(str((resources.get("labels") or {}).get(LABEL_POOL) or ""))
+    if not infra or pool is None or fleet.pool_for_infra(str(infra)) is not None:
+        return config
+    if not normalize_infra(pool.infra).startswith(normalize_infra(str(infra)) + "/"):
+        return config
+    return {**config, "resources": {**resources, "infra": pool.infra}}
+
+
 def mutate_config(
     config: dict[str, Any],
     fleet: Fleet,
@@ -122,6 +144,7 @@ def mutate_config(
         PoolFull: the job fits its pool, but not with what is held now.
         LaunchConfigError: the request is refused (the policy turns it into a rejection).
     """
+    config = back_on_its_pool(config, fleet)
     resources = config.get("resources") or {}
     labels = {str(k): str(v) for k, v in (resources.get("labels") or {}).items()}
     if at_client_side:

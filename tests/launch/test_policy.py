@@ -331,6 +331,26 @@ def test_relaunches_after_preemption_and_jobs_onto_warm_pools_are_not_held_to_li
         _apply(sky, config, at_client_side=False)
 
 
+def test_a_preempted_jobs_relaunch_in_the_region_it_ran_in_goes_back_onto_its_pool(sky, tmp_path, monkeypatch):
+    # A fleet whose pools are partitions of one Slurm cluster: SkyPilot's FAILOVER recovery first asks
+    # for the region the job ran in (the cluster, partition dropped).
+    fleet = yaml.safe_load((SPECS_DIR / "fleet.yaml").read_text())
+    fleet["pools"]["h200"]["infra"] = "slurm/h200-ib/train"
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump(fleet))
+    monkeypatch.setenv("GPUDOOR_FLEET_FILE", str(path))
+    config = _spec("train", infra="slurm/h200-ib", labels={**OWNER, "gpudoor-pool": "h200"})
+    # Every pass of the rules the relaunch goes through: the controller's own (client side), the server's.
+    for request, at_client_side in (("launch", True), ("validate", False), ("jobs.launch_cluster", False)):
+        relaunch = _resources(_apply(sky, config, request=request, at_client_side=at_client_side))
+        assert (relaunch.region, relaunch.zone) == ("h200-ib", "train") and relaunch.labels["gpudoor-pool"] == "h200"
+    # A whole region with no pool of the job's to go back to is refused, saying which pools there are.
+    unlabelled = _spec("train", infra="slurm/h200-ib", labels=OWNER)
+    _rejected(sky, unlabelled, "'slurm/h200-ib' is not a pool of the fleet", request="jobs.launch_cluster", at_client_side=False)
+    elsewhere = _spec("train", infra="slurm/h200-ib", labels={**OWNER, "gpudoor-pool": "onprem"})
+    _rejected(sky, elsewhere, "'slurm/h200-ib' is not a pool of the fleet", at_client_side=False)
+
+
 def test_a_step_cluster_is_held_to_what_is_held_now_and_is_not_interactive(sky, monkeypatch):
     """A step the fleet launches as a cluster (``gpudoor-step-…``) holds GPUs like a job: the caps count it,
     and it gets no autostop or time to live (its step tears it down, or the reconciler once its run ends)."""

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
-from tests.slurm.conftest import managed_record as _managed
+from tests.slurm.conftest import managed_record
 
 pytestmark = pytest.mark.slurm
 
@@ -90,7 +90,7 @@ def test_caption_shards_run_as_one_batch_on_a_warm_pool_on_slurm(testbed, transi
     assert sorted(md["job_rank"] for md in mds) == [0, 1]
     assert done_shards(transit.get_bucket(), "color-shape-v1") == set(shards)
     for md in mds:
-        managed = _managed(int(md["job_id"]))  # a pool's jobs carry no labels in the queue: the pool's task does
+        managed = managed_record(int(md["job_id"]))  # a pool's jobs carry no labels in the queue: the pool's task does
         assert managed.status.value == "SUCCEEDED" and managed.pool == md["worker_pool"] == f"gpudoor-caption-{result.run_id[:8]}"
     assert any(f"shard {shards[0]}: done, 3 captioned" in line for line in logs), logs[-40:]
     # The pool was given back when the run ended (pool_down returns while the workers shut down).

@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
-from tests.slurm.conftest import Preempter, running_allocation, scancel, squeue
-from tests.slurm.test_client_on_slurm import _logs, _managed, _resource
+from tests.slurm.conftest import Preempter, managed_record, running_allocation, scancel, squeue
+from tests.slurm.test_client_on_slurm import _logs, _resource
 
 pytestmark = pytest.mark.slurm
 
@@ -65,7 +65,7 @@ def test_a_job_evicted_from_inference_moves_to_the_pool_its_recover_to_names(tes
     assert any(line.endswith("finished on spare") for line in logs), logs[-30:]
     assert not any(line.endswith("finished on inference") for line in logs)
     assert any(line.startswith(f"Job {old} was evicted from pool 'inference': launched again on pool 'spare'") for line in logs)
-    assert _managed(int(old)).status.value == "CANCELLED"
+    assert managed_record(int(old)).status.value == "CANCELLED"
     assert instance.get_run_by_id(result.run_id).tags[f"gpudoor/released-job-{old}"].startswith("confirmed in")
     # Nothing stays held: the evicted allocation and the new job's are gone.
     deadline = time.monotonic() + 180

@@ -25,8 +25,8 @@ import yaml
 
 from gpudoor_pipelines.automation.reconciler import orphan_reconciler, release_held_gpus_job
 from gpudoor_pipelines.launch.client import PipesSkyPilotClient
-from tests.slurm.conftest import allocations_of
-from tests.slurm.test_client_on_slurm import BED_FLEET, REPO_ROOT, _managed, _spec_dir
+from tests.slurm.conftest import allocations_of, managed_record
+from tests.slurm.test_client_on_slurm import BED_FLEET, REPO_ROOT, _spec_dir
 
 pytestmark = pytest.mark.slurm
 
@@ -100,7 +100,7 @@ def test_a_terminated_run_and_a_killed_run_worker_leave_no_gpu_held(testbed, tra
             time.sleep(2)
         assert terminated.started() and killed.started(), (terminated.text[-2000:], killed.text[-2000:])
         print(f"both jobs running {time.monotonic() - t0:.0f} s into the test")
-        orphan, live = _managed(int(killed.job_id)), _managed(int(terminated.job_id))
+        orphan, live = managed_record(int(killed.job_id)), managed_record(int(terminated.job_id))
         # The jobs carry their runs' identity, signed by the launcher and kept by the bed's server.
         by_id = {r.run_id: r for r in instance.get_runs()}
         runs = {"killed": by_id[orphan.labels["dagster-run-id"]], "terminated": by_id[live.labels["dagster-run-id"]]}
@@ -110,7 +110,7 @@ def test_a_terminated_run_and_a_killed_run_worker_leave_no_gpu_held(testbed, tra
 
         killed.proc.kill()  # kill -9 of the run worker: nothing forwards a cancel
         killed.proc.wait(timeout=30)
-        assert _managed(int(killed.job_id)).status.value in ("RUNNING", "STARTING")
+        assert managed_record(int(killed.job_id)).status.value in ("RUNNING", "STARTING")
         instance.report_run_failed(runs["killed"])  # what run monitoring does once the worker's health check fails
         known_dead = time.monotonic()
 
@@ -119,7 +119,7 @@ def test_a_terminated_run_and_a_killed_run_worker_leave_no_gpu_held(testbed, tra
             dry = orphan_reconciler(context)
         assert not dry.run_requests and f"job {killed.job_id}" in dry.skip_reason.skip_message
         assert f"job {terminated.job_id}" not in dry.skip_reason.skip_message
-        assert _managed(int(killed.job_id)).status.value in ("RUNNING", "STARTING")
+        assert managed_record(int(killed.job_id)).status.value in ("RUNNING", "STARTING")
 
         client = _client(testbed, transit, tmp_path, specs)
         with dg.build_sensor_context(instance=instance, resources={"skypilot": client}) as context:
@@ -140,7 +140,7 @@ def test_a_terminated_run_and_a_killed_run_worker_leave_no_gpu_held(testbed, tra
         assert instance.get_run_by_id(runs["killed"].run_id).tags[f"gpudoor/released-job-{killed.job_id}"].startswith("confirmed in")
 
         # The live run's job ran on; now its run is terminated: the step cancels it and verifies the release.
-        assert _managed(int(terminated.job_id)).status.value == "RUNNING"
+        assert managed_record(int(terminated.job_id)).status.value == "RUNNING"
         terminated.proc.send_signal(signal.SIGINT)  # what Dagster does to a step when its run is terminated
         terminated.proc.wait(timeout=300)
         terminated.reader.join(timeout=10)
