@@ -10,7 +10,9 @@ The step watching the job knows two things, and this module turns them into figu
   (:class:`Timeline`). A preemption is dated when the step sees the job leave RUNNING for a state
   from which it runs again (RECOVERING, PENDING, STARTING), or sees its recovery count go up. The
   step looks at least every ``max_poll_interval_s`` while a job runs, so a preemption is dated at
-  most that late: the lost figure is an upper bound by that much per preemption.
+  most that late: the lost figure is an upper bound by that much per preemption. A recovery the step
+  sees only once it is over (the job running again, or ended) is dated no later than the backend's own
+  time for it (``JobInfo.recovered_at``).
 - when work was last saved: the ``durable_at`` times (UNIX seconds, the job's clock) of the Pipes
   custom messages the job sent after each save (``workloads.reporting.saved``). A job that sends
   none loses, on each preemption, everything since its last (re)start.
