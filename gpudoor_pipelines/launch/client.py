@@ -269,18 +269,28 @@ def submit_routed(
 def _report_preemptions(job_ids: Sequence[str], before: Mapping[str, JobInfo], now: Mapping[str, JobInfo],
                         reported: dict[str, int], report: Callable[[int, JobInfo, float], None]) -> None:  # fmt: skip
     """Calls ``report`` once per preemption of each rank since the last poll: a rank seen entering RECOVERING,
-    or whose recovery count rose past what was reported."""
+    or whose recovery count rose past what was reported.
+
+    A job waiting for a new worker goes back and forth between RECOVERING and PENDING: only its first entry
+    into RECOVERING after it last ran counts (``reported`` keeps, under ``<job id>/ran``, whether it ran since).
+    """
     at = time.time()
     for rank, job_id in enumerate(job_ids):
         info = now.get(job_id)
         if info is None:
             continue
         old = before.get(job_id)
-        entered = info.state is JobState.RECOVERING and (old is None or old.state is not JobState.RECOVERING)
         done = reported.get(job_id, 0)
+        ran_key = f"{job_id}/ran"
+        fresh = done == 0 or reported.get(ran_key, 0) == 1
+        entered = info.state is JobState.RECOVERING and (old is None or old.state is not JobState.RECOVERING) and fresh
         events = max(done + (1 if entered else 0), info.recoveries)
         for _ in range(events - done):
             report(rank, info, at)
+        if events > done:
+            reported[ran_key] = 0
+        if info.state is JobState.RUNNING:
+            reported[ran_key] = 1
         reported[job_id] = events
 
 

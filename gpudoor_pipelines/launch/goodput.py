@@ -125,11 +125,16 @@ def preemption_cost(
     stretches: list[tuple[float, float, bool]] = []  # (start, end, ended by a preemption)
     start: float | None = None
     recoveries = 0
-    entered = 0  # times the step saw the job enter RECOVERING (even when it never saw it RUNNING before)
+    # Times the step saw the job enter RECOVERING (even when it never saw it RUNNING before); a job waiting
+    # for new GPUs goes back and forth between RECOVERING and PENDING: one entry until it runs again.
+    entered = 0
     previous: JobState | None = None
+    ran_since = True
     for at, state, count in timeline.seen:
-        if state is JobState.RECOVERING and previous is not JobState.RECOVERING:
+        if state is JobState.RECOVERING and previous is not JobState.RECOVERING and ran_since:
             entered += 1
+            ran_since = False
+        ran_since = ran_since or state is JobState.RUNNING
         previous = state
         recovered = count > recoveries
         if start is not None and (state is not JobState.RUNNING or recovered):

@@ -197,3 +197,6 @@ def test_a_batch_reports_each_preemption_of_a_rank_once():
     assert polls((RUN, 0), (RUN, 1)) == [(0, 1)]  # recovered between two polls
     assert polls((RUN, 0), (R, 1), (RUN, 1), (R, 1), (RUN, 2)) == [(0, 1), (0, 1)]
     assert polls((RUN, 0), (RUN, 0), (JobState.SUCCEEDED, 0)) == []
+    # A rank waiting for a new worker goes back and forth between RECOVERING and PENDING: one preemption.
+    P = JobState.PENDING
+    assert polls((RUN, 0), (P, 0), (R, 0), (P, 0), (R, 0), (P, 0), (R, 0), (RUN, 1)) == [(0, 0)]

@@ -72,6 +72,12 @@ def test_a_job_seen_recovering_but_never_seen_running_still_counts_a_recovery():
     assert cost.recoveries == 1 and cost.to_metadata()["recoveries"] == 1
 
 
+def test_a_job_waiting_for_new_gpus_between_recovering_and_pending_counts_one_recovery():
+    timeline = _timeline((0, R, 0), (40, REC, 0), (45, P, 0), (60, REC, 0), (70, P, 0), (80, REC, 0), (90, R, 1), (120, OK, 1))
+    cost = preemption_cost(timeline, [], gpus=1, ended_at=121)
+    assert cost.recoveries == 1 and len(cost.preemptions) == 1
+
+
 def test_the_backend_count_of_time_ran_is_the_time_held():
     timeline = _timeline((0, R, 0), (100, REC, 1), (400, R, 1), (500, OK, 1))
     cost = preemption_cost(timeline, [90.0], gpus=1, ended_at=501, ran_s=190.0)
