@@ -1,0 +1,259 @@
+"""``make test``: the test lanes side by side, each with a bound, and a report that names what failed.
+
+The test bed's tests (``tests/slurm``) mostly wait on SkyPilot's controller and Slurm: they run in lanes of
+their own beside the rest, so the waiting overlaps. Each lane writes ``<reports>/<lane>.log`` (its whole
+output) and ``<reports>/<lane>.xml`` (JUnit); at the end this prints, for every lane that failed, its
+failures, then one summary: each lane's seconds and outcome, every failed test with the file that holds
+its log, the reruns, and the ten slowest tests. The summary is also written to ``<reports>/summary.txt``.
+
+Only the bed lanes may rerun a test, once, and only when it failed because the bed's API server refused the
+connection (a loaded machine); an assertion failure is never rerun, and a rerun is listed.
+
+When a bed lane runs and the bed is not up, it is brought up first (``testbed/up.sh``, needs root) and taken
+down again at the end, so ``make test`` leaves the machine as it found it.
+
+Usage: ``python tests/lanes.py [--reports DIR] [--only LANE ...]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TESTBED = REPO_ROOT / "testbed"
+#: Each lane is cut off after this; a test has its own bound (pytest-timeout in pyproject.toml).
+LANE_TIMEOUT_S = float(os.environ.get("GPUDOOR_LANE_TIMEOUT_S", "1500"))
+#: What a bed test may be rerun for, once: the bed's API server refusing the connection, nothing else.
+BED_RERUN = [
+    "--reruns", "1",
+    "--only-rerun", r"^(ApiServerConnectionError|ConnectionError|ConnectionRefusedError): .*(refused|Could not connect)",
+    "--rerun-except", r"^(AssertionError|Failed|Timeout)",
+]  # fmt: skip
+SLURM = "tests/slurm"
+
+
+@dataclasses.dataclass
+class Lane:
+    """One pytest process: its name, what it runs, and whether it needs the test bed."""
+
+    name: str
+    args: list[str]
+    bed: bool = False
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+    seconds: float = 0.0
+    code: int | None = None
+    cut_off: bool = False
+
+
+def lanes() -> list[Lane]:
+    """The lanes: everything but the bed, and the bed's tests in two lanes of about equal waiting."""
+    bed_a = ["test_client_on_slurm.py", "test_eviction_on_slurm.py", "test_step_cluster_on_slurm.py"]
+    bed_b = [p.name for p in sorted((REPO_ROOT / SLURM).glob("test_*.py")) if p.name not in bed_a]
+    return [
+        Lane("unit", ["tests", f"--ignore={SLURM}"]),
+        Lane("bed-a", [f"{SLURM}/{name}" for name in bed_a], bed=True),
+        Lane("bed-b", [f"{SLURM}/{name}" for name in bed_b], bed=True),
+    ]
+
+
+def _bed_is_up() -> bool:
+    env = TESTBED / ".state" / "env"
+    if not env.is_file():
+        return False
+    endpoint = next((line.split("=", 1)[1] for line in env.read_text().splitlines()
+                     if line.startswith("export SKYPILOT_API_SERVER_ENDPOINT=")), "")  # fmt: skip
+    try:
+        with urllib.request.urlopen(f"{endpoint}/api/health", timeout=5) as response:
+            return response.status == 200
+    except (OSError, ValueError):
+        return False
+
+
+def _bring_up_bed(reports: Path) -> bool:
+    """Brings the bed up when it is down; returns whether this did (False when it was up, or cannot be)."""
+    if os.environ.get("GPUDOOR_SKIP_SLURM") == "1" or _bed_is_up():
+        return False
+    if os.geteuid() != 0:
+        print("the Slurm test bed is down and testbed/up.sh needs root: its tests will skip", flush=True)
+        return False
+    log = reports / "bed-up.log"
+    print(f"bringing the Slurm test bed up (log: {log}) ...", flush=True)
+    started = time.monotonic()
+    env = {"GPUDOOR_TESTBED_ADMIN_POLICY": "gpudoor_pipelines.launch.policy.GpuDoorPolicy", **os.environ}
+    with open(log, "w") as out:
+        code = subprocess.call(["bash", "-c", f"bash {TESTBED / 'up.sh'} && bash {TESTBED / 'node_env.sh'}"],
+                               stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)  # fmt: skip
+    print(f"test bed {'up' if code == 0 else f'FAILED to come up (exit {code})'} in {time.monotonic() - started:.0f} s", flush=True)
+    return True
+
+
+def _start(lane: Lane, reports: Path) -> None:
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfER", "--durations=0",
+            f"--junitxml={reports / (lane.name + '.xml')}", *lane.args, *(BED_RERUN if lane.bed else [])]  # fmt: skip
+    out = open(reports / f"{lane.name}.log", "w")  # noqa: SIM115 - closed when the lane ends
+    lane.started = time.monotonic()
+    lane.proc = subprocess.Popen(args, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    out.close()
+
+
+def _wait(lane_list: list[Lane]) -> None:
+    while any(lane.code is None for lane in lane_list):
+        for lane in lane_list:
+            if lane.code is not None or lane.proc is None:
+                continue
+            code = lane.proc.poll()
+            elapsed = time.monotonic() - lane.started
+            if code is None and elapsed > LANE_TIMEOUT_S:
+                lane.cut_off = True
+                os.killpg(lane.proc.pid, signal.SIGTERM)
+                try:
+                    code = lane.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(lane.proc.pid, signal.SIGKILL)
+                    code = lane.proc.wait()
+            if code is not None:
+                lane.code, lane.seconds = code, elapsed
+                state = "passed" if code == 0 else f"CUT OFF after {LANE_TIMEOUT_S:.0f} s" if lane.cut_off else f"FAILED (exit {code})"
+                print(f"lane {lane.name}: {state} in {elapsed:.0f} s", flush=True)
+        time.sleep(1)
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What the lanes' JUnit files and logs say."""
+
+    failed: list[tuple[str, str, str]]  # (lane, test id, first line of the failure)
+    reruns: list[tuple[str, str]]  # (lane, test id)
+    slowest: list[tuple[float, str]]  # (seconds, test id)
+    counts: dict[str, dict[str, int]]  # lane -> {passed, failed, skipped, ...}
+
+
+def _test_id(case: ET.Element) -> str:
+    """``tests/launch/test_x.py::TestY::test_z`` from a JUnit test case (classname ``tests.launch.test_x.TestY``)."""
+    parts = case.get("classname", "").split(".")
+    for cut in range(len(parts), 0, -1):
+        if (REPO_ROOT / Path(*parts[:cut])).with_suffix(".py").is_file():
+            return "::".join(["/".join(parts[:cut]) + ".py", *parts[cut:], case.get("name", "")])
+    return "::".join(filter(None, [case.get("classname", ""), case.get("name", "")]))
+
+
+def read_outcome(lane_list: list[Lane], reports: Path) -> Outcome:
+    failed, reruns, times = [], [], []
+    counts: dict[str, dict[str, int]] = {}
+    for lane in lane_list:
+        xml = reports / f"{lane.name}.xml"
+        tally = {"passed": 0, "failed": 0, "skipped": 0}
+        if xml.is_file():
+            try:
+                root = ET.parse(xml).getroot()
+            except ET.ParseError:
+                root = None
+            for case in root.iter("testcase") if root is not None else ():
+                test = _test_id(case)
+                problems = [c for c in case if c.tag in ("failure", "error")]
+                if problems:
+                    message = (problems[0].get("message") or "").strip().splitlines()
+                    failed.append((lane.name, test, message[0][:200] if message else problems[0].tag))
+                    tally["failed"] += 1
+                elif any(c.tag == "skipped" for c in case):
+                    tally["skipped"] += 1
+                else:
+                    tally["passed"] += 1
+                times.append((float(case.get("time") or 0.0), test))
+        log = reports / f"{lane.name}.log"
+        if log.is_file():
+            for line in log.read_text(errors="replace").splitlines():
+                if line.startswith("RERUN "):
+                    reruns.append((lane.name, line.split()[1]))
+        if lane.code not in (0, None) and tally["failed"] == 0:
+            # The lane failed without a failed test in its report: it was cut off, or pytest itself failed.
+            failed.append((lane.name, f"(lane {lane.name})", "cut off" if lane.cut_off else f"pytest exited {lane.code}"))
+        counts[lane.name] = tally
+    times.sort(reverse=True)
+    return Outcome(failed=failed, reruns=reruns, slowest=times[:10], counts=counts)
+
+
+def _section(text: str, title: str) -> str:
+    """A ``=== title ===`` section of a pytest log (empty when there is none)."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("=") and f" {title} " in line), None)
+    if start is None:
+        return ""
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("====")), len(lines))
+    return "\n".join(lines[start:end])
+
+
+def summary(lane_list: list[Lane], reports: Path, outcome: Outcome) -> str:
+    lines = ["== test lanes"]
+    for lane in lane_list:
+        c = outcome.counts.get(lane.name, {})
+        state = "passed" if lane.code == 0 else "CUT OFF" if lane.cut_off else "FAILED"
+        lines.append(f"  {lane.name:<8} {lane.seconds:6.0f} s  {state:<8} {c.get('passed', 0)} passed, {c.get('failed', 0)} failed, "
+                     f"{c.get('skipped', 0)} skipped   (log: {reports / (lane.name + '.log')})")  # fmt: skip
+    lines.append("== ten slowest tests")
+    lines += [f"  {seconds:7.1f} s  {test}" for seconds, test in outcome.slowest]
+    if outcome.reruns:
+        lines.append("== rerun once (the bed's API server refused the connection)")
+        lines += [f"  {test}   (lane {lane})" for lane, test in outcome.reruns]
+    if outcome.failed:
+        lines.append(f"== FAILED: {len(outcome.failed)}")
+        lines += [f"  FAILED {test} - {why}   (full log: {reports / (lane + '.log')})" for lane, test, why in outcome.failed[:20]]
+        if len(outcome.failed) > 20:
+            lines.append(f"  ... and {len(outcome.failed) - 20} more (see the logs)")
+    else:
+        lines.append("== every lane passed")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reports", default=str(REPO_ROOT / ".test-reports"))
+    parser.add_argument("--only", nargs="*", help="run only these lanes")
+    args = parser.parse_args(argv)
+    reports = Path(args.reports).resolve()
+    reports.mkdir(parents=True, exist_ok=True)
+    for old in reports.glob("*"):
+        if old.suffix in (".log", ".xml", ".txt", ".json"):
+            old.unlink()
+    lane_list = [lane for lane in lanes() if not args.only or lane.name in args.only]
+    brought_up = any(lane.bed for lane in lane_list) and _bring_up_bed(reports)
+    try:
+        for lane in lane_list:
+            _start(lane, reports)
+            print(f"lane {lane.name}: {' '.join(lane.args)}  (log: {reports / (lane.name + '.log')})", flush=True)
+        _wait(lane_list)
+    finally:
+        for lane in lane_list:
+            if lane.proc is not None and lane.proc.poll() is None:
+                os.killpg(lane.proc.pid, signal.SIGKILL)
+        if brought_up:
+            print("taking the test bed down again (this run brought it up)", flush=True)
+            with open(reports / "bed-down.log", "w") as out:
+                subprocess.call(["bash", str(TESTBED / "down.sh")], stdout=out, stderr=subprocess.STDOUT)
+    outcome = read_outcome(lane_list, reports)
+    for lane in lane_list:
+        if lane.code != 0:
+            text = (reports / f"{lane.name}.log").read_text(errors="replace")
+            details = "\n".join(filter(None, (_section(text, "FAILURES"), _section(text, "ERRORS"))))
+            print(f"\n===== lane {lane.name} failed: its failures (whole log: {reports / (lane.name + '.log')})")
+            print(details or "\n".join(text.splitlines()[-60:]))
+    report = summary(lane_list, reports, outcome)
+    (reports / "summary.txt").write_text(report + "\n")
+    (reports / "outcome.json").write_text(json.dumps(dataclasses.asdict(outcome), indent=1))
+    print("\n" + report, flush=True)
+    return 0 if all(lane.code == 0 for lane in lane_list) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
