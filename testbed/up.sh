@@ -426,7 +426,8 @@ SERVER_ENV=(
 )
 # Restart the server when anything it reads at start-up changed.
 SERVER_FINGERPRINT="$(cat "$SERVER_CONFIG" "$BED_HOME/.slurm/config" "$SLURM_CONF_DIR/slurm.conf" \
-  "$SLURM_CONF_DIR/gres.conf" <(printf '%s\n' "${SERVER_ENV[@]}") | sha256sum | cut -d' ' -f1)"
+  "$SLURM_CONF_DIR/gres.conf" "$SITE_PACKAGES/gpudoor_testbed_probe.py" <(printf '%s\n' "${SERVER_ENV[@]}") \
+  | sha256sum | cut -d' ' -f1)"
 server_healthy() { curl -fsS --max-time 5 "$API_ENDPOINT/api/health" >/dev/null 2>&1; }
 SERVER_READY=0
 if pid_alive "$BED_RUN/api-server.pid" && server_healthy &&

@@ -1,17 +1,24 @@
-"""Import hook: point SkyPilot's connectivity probe at a loopback server (test bed only).
+"""Import hook for the test bed's SkyPilot processes: loopback connectivity probe, and short waits.
 
 testbed/up.sh copies this module into the venv's site-packages together with
 ``gpudoor_testbed_probe.pth`` (one line: ``import gpudoor_testbed_probe``), so it runs at
 interpreter start-up in every process of the venv: the API server, the consolidated
 managed-jobs controllers it spawns, and clients. It does nothing unless
-``GPUDOOR_TESTBED_PROBE_URL`` is set.
+``GPUDOOR_TESTBED_PROBE_URL`` is set (up.sh sets it for the bed's server and its clients).
 
-When set, the first import of ``sky.backends.backend_utils`` is followed by
-``backend_utils._TEST_IP_LIST = [GPUDOOR_TESTBED_PROBE_URL]``. Stock SkyPilot sends HEAD
-requests to https://8.8.8.8 and https://1.1.1.1 there before each cluster status refresh;
-with no route out the managed-jobs controller loops on "Network is not available" and jobs
-never leave RUNNING. The test bed must not send traffic off the machine at all, so the
-probe goes to testbed/lib/probe_server.py, which answers 200.
+1. **The connectivity probe.** When ``sky.backends.backend_utils`` is imported,
+   ``_TEST_IP_LIST = [GPUDOOR_TESTBED_PROBE_URL]``. Stock SkyPilot sends HEAD requests to
+   https://8.8.8.8 and https://1.1.1.1 there before each cluster status refresh; with no route out
+   the managed-jobs controller loops on "Network is not available" and jobs never leave RUNNING.
+   The test bed must not send traffic off the machine at all, so the probe goes to
+   testbed/lib/probe_server.py, which answers 200.
+2. **Short waits.** SkyPilot's controllers wait between looks at a job, a pool or a recovery for
+   intervals sized for clouds (15 s between job status checks, 20-30 s between a pool's refreshes,
+   60 s before retrying a failed recovery launch). On the one-machine bed every look is answered in
+   milliseconds to seconds, and the tests spend most of their time in those waits: ``_WAITS`` makes
+   them a few seconds (``GPUDOOR_TESTBED_STOCK_WAITS=1`` keeps SkyPilot's own). What the controllers
+   do is unchanged; only how soon they look again. SkyPilot reads these values where it uses them,
+   so setting them when their module is imported is enough.
 """
 
 import importlib.abc
@@ -19,28 +26,65 @@ import os
 import sys
 
 _ENV = "GPUDOOR_TESTBED_PROBE_URL"
-_TARGET = "sky.backends.backend_utils"
+_PROBE_MODULE = "sky.backends.backend_utils"
+#: module -> {attribute (``Class.attribute`` for a class's): seconds}
+_WAITS = {
+    "sky.jobs.utils": {
+        "JOB_STATUS_CHECK_GAP_SECONDS": 3,
+        "JOB_STARTED_STATUS_CHECK_GAP_SECONDS": 1,
+        "_LOG_STREAM_CHECK_CONTROLLER_GAP_SECONDS": 1,
+    },
+    "sky.jobs.recovery_strategy": {
+        "StrategyExecutor.RETRY_INIT_GAP_SECONDS": 5,
+        "_LAUNCH_REQUEST_STATUS_POLL_SECONDS": 5,
+        "_PARKED_POLL_INITIAL_BACKOFF_SECONDS": 3,
+    },
+    "sky.serve.replica_managers": {
+        "_RETRY_INIT_GAP_SECONDS": 5,
+        "_PROCESS_POOL_REFRESH_INTERVAL": 3,
+        "_JOB_STATUS_FETCH_INTERVAL": 3,
+    },
+    "sky.serve.constants": {
+        "AUTOSCALER_DEFAULT_DECISION_INTERVAL_SECONDS": 3,
+        "AUTOSCALER_NO_REPLICA_DECISION_INTERVAL_SECONDS": 2,
+        "DEFAULT_ENDPOINT_PROBE_INTERVAL_SECONDS": 3,
+        "ENDPOINT_PROBE_INTERVAL_SECONDS": 3,
+    },
+}
 
 
-def _patch(module) -> None:
-    module._TEST_IP_LIST = [os.environ[_ENV]]
+def _patch(name: str, module) -> None:
+    if name == _PROBE_MODULE:
+        module._TEST_IP_LIST = [os.environ[_ENV]]
+    if os.environ.get("GPUDOOR_TESTBED_STOCK_WAITS") == "1":
+        return
+    for attribute, seconds in _WAITS.get(name, {}).items():
+        owner, _, attr = attribute.rpartition(".")
+        target = getattr(module, owner, None) if owner else module
+        if target is not None and hasattr(target, attr):
+            setattr(target, attr, seconds)
+
+
+def _targets() -> set:
+    return {_PROBE_MODULE, *_WAITS}
 
 
 class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, wrapped):
+    def __init__(self, wrapped, name):
         self._wrapped = wrapped
+        self._name = name
 
     def create_module(self, spec):
         return self._wrapped.create_module(spec)
 
     def exec_module(self, module):
         self._wrapped.exec_module(module)
-        _patch(module)
+        _patch(self._name, module)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
-        if fullname != _TARGET:
+        if fullname not in _targets():
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -48,7 +92,7 @@ class _Finder(importlib.abc.MetaPathFinder):
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _PatchingLoader(spec.loader)
+                    spec.loader = _PatchingLoader(spec.loader, fullname)
                 return spec
         return None
 
@@ -56,10 +100,10 @@ class _Finder(importlib.abc.MetaPathFinder):
 def _install() -> None:
     if not os.environ.get(_ENV):
         return
-    already = sys.modules.get(_TARGET)
-    if already is not None:
-        _patch(already)
-        return
+    for name in _targets():
+        already = sys.modules.get(name)
+        if already is not None:
+            _patch(name, already)
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
 
