@@ -30,7 +30,7 @@ _PROBE_MODULE = "sky.backends.backend_utils"
 #: module -> {attribute (``Class.attribute`` for a class's): seconds}
 _WAITS = {
     "sky.jobs.utils": {
-        "JOB_STATUS_CHECK_GAP_SECONDS": 3,
+        "JOB_STATUS_CHECK_GAP_SECONDS": 6,
         "JOB_STARTED_STATUS_CHECK_GAP_SECONDS": 1,
         "_LOG_STREAM_CHECK_CONTROLLER_GAP_SECONDS": 1,
     },
