@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Caption merge: the streaming merge of ``gpudoor_pipelines.captions`` at 10,000 to 1,000,000 captions,
+"""Caption merge: the streaming merge of ``gpudoor_pipelines.data.captions`` at 10,000 to 1,000,000 captions,
 against itself at a small size and against the approaches it replaces.
 
     python benchmarks/caption_merge.py [--captions 1000000] [--per-shard 100] [--old-captions 100000]
@@ -115,7 +115,7 @@ def generate(work: Path, sizes: list[int], args: argparse.Namespace) -> None:
 
 
 def _merge_product(bucket, model: str, shards: list[str], workers: int) -> int:
-    from gpudoor_pipelines.captions import merge_captions
+    from gpudoor_pipelines.data.captions import merge_captions
 
     return merge_captions(bucket, model, shards, f"merged/{model}", workers=workers).rows
 

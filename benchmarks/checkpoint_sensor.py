@@ -51,7 +51,7 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("SKYPILOT_DISABLE_USAGE_COLLECTION", "1")
 os.environ.setdefault("DAGSTER_DISABLE_TELEMETRY", "1")
 
-from gpudoor_pipelines.checkpoints import (  # noqa: E402
+from gpudoor_pipelines.data.checkpoints import (  # noqa: E402
     ScanPolicy,
     ScanResult,
     TrainingStart,

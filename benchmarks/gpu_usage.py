@@ -69,7 +69,7 @@ def _records(n: int, week_start: float) -> tuple[list, float]:
 def _measure(n: int, repeat: int) -> dict:
     from gpudoor_pipelines.assets.usage import WEEKS, chart_png, usage_metadata, usage_table
     from gpudoor_pipelines.launch.backends import skypilot as skypilot_backend
-    from gpudoor_pipelines.launch.fleet import load_fleet
+    from gpudoor_pipelines.launch.resolve.fleet import load_fleet
 
     fleet = load_fleet()
     week = WEEKS.get_partition_keys()[-3]

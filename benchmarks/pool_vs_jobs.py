@@ -34,9 +34,9 @@ sys.path.insert(0, str(REPO))
 
 from gpudoor_pipelines.assets.packed import JOBS_PER_WORKER  # noqa: E402
 from gpudoor_pipelines.launch.backends.skypilot import SkyPilotBackend  # noqa: E402
-from gpudoor_pipelines.launch.fleet import load_fleet  # noqa: E402
-from gpudoor_pipelines.launch.request import LaunchRequest, resolve  # noqa: E402
-from gpudoor_pipelines.launch.specs import load_spec  # noqa: E402
+from gpudoor_pipelines.launch.resolve.fleet import load_fleet  # noqa: E402
+from gpudoor_pipelines.launch.resolve.request import LaunchRequest, resolve  # noqa: E402
+from gpudoor_pipelines.launch.resolve.specs import load_spec  # noqa: E402
 
 # Each job sleeps for its share of the shards: SKYPILOT_JOB_RANK of SKYPILOT_NUM_JOBS, or one shard.
 RUN = (

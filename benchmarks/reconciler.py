@@ -56,7 +56,7 @@ def _instance_with_runs(runs: int, home: str):
 def _fake_sdk(n: int, run_ids: list[str], key: str):
     import yaml
 
-    from gpudoor_pipelines.launch.rules import identity_signature
+    from gpudoor_pipelines.launch.resolve.rules import identity_signature
 
     dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
     records = []
@@ -95,7 +95,7 @@ def _measure(n: int, repeat: int) -> dict:
     from gpudoor_pipelines.automation.reconciler import orphan_reconciler
     from gpudoor_pipelines.launch.backends import skypilot as skypilot_backend
     from gpudoor_pipelines.launch.client import PipesSkyPilotClient
-    from gpudoor_pipelines.launch.fleet import DEFAULT_FLEET_FILE
+    from gpudoor_pipelines.launch.resolve.fleet import DEFAULT_FLEET_FILE
     from gpudoor_pipelines.transit.resource import TransitBucketResource
 
     key = "benchmark-key"

@@ -93,8 +93,8 @@ def _quiet():
 def _run(case: str, steps: int, job_seconds: float, stagger: float) -> dict:
     from gpudoor_pipelines.launch import watch
     from gpudoor_pipelines.launch.backends import skypilot as skypilot_backend
-    from gpudoor_pipelines.launch.backends.base import JobState
     from gpudoor_pipelines.launch.client import PipesSkyPilotClient, _Redactor
+    from gpudoor_pipelines.launch.job import JobState
     from gpudoor_pipelines.transit.resource import TransitBucketResource
 
     fake = TimedSky(job_seconds)

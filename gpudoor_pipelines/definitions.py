@@ -9,7 +9,7 @@ from gpudoor_pipelines.automation.jobs import captioning_job, eval_job, merge_ca
 from gpudoor_pipelines.automation.reconciler import orphan_reconciler, release_held_gpus_job
 from gpudoor_pipelines.automation.schedules import build_schedules, weekly_gpu_usage_schedule
 from gpudoor_pipelines.automation.sensors import new_checkpoint_sensor
-from gpudoor_pipelines.launch.fleet import load_fleet
+from gpudoor_pipelines.launch.resolve.fleet import load_fleet
 from gpudoor_pipelines.settings import build_resources
 
 ASSET_MODULES = [captioning, training, evaluation, demo, usage]

@@ -14,7 +14,7 @@ import time
 import pytest
 import yaml
 
-from gpudoor_pipelines.cli import main
+from gpudoor_pipelines.cli.main import main
 
 
 def _run(capsys, *argv: str) -> tuple[int, dict]:

@@ -27,7 +27,7 @@ from gpudoor_pipelines.assets.captioning import (
 )
 from gpudoor_pipelines.assets.partitions import SHARDS
 from gpudoor_pipelines.automation.schedules import night_runs
-from gpudoor_pipelines.captions import captions_prefix, done_shards
+from gpudoor_pipelines.data.captions import captions_prefix, done_shards
 from gpudoor_pipelines.launch.backends.local import LocalBackend
 from gpudoor_pipelines.launch.client import PipesSkyPilotClient
 from gpudoor_pipelines.transit.io_manager import TransitIOManager
@@ -243,7 +243,7 @@ def test_a_source_that_cannot_be_read_fails_before_anything_is_launched(tmp_path
 
 
 def test_new_images_in_the_source_become_new_shards(tmp_path):
-    from workloads.synthetic import generate_image
+    from gpudoor_pipelines.data.synthetic import generate_image
 
     night = Night(tmp_path, free_gpus=1)
     images = tmp_path / "team-images"
@@ -300,8 +300,8 @@ def test_the_local_backend_pool_is_given_back_after_the_night(tmp_path):
 
 def _hold_the_gpu(night: Night, seconds: int) -> str:
     """Another job of the team holds the caption pool's one GPU for ``seconds``."""
-    from gpudoor_pipelines.launch.request import LaunchRequest, resolve
-    from gpudoor_pipelines.launch.specs import load_spec
+    from gpudoor_pipelines.launch.resolve.request import LaunchRequest, resolve
+    from gpudoor_pipelines.launch.resolve.specs import load_spec
 
     request = LaunchRequest(spec=load_spec("caption", skypilot=False), inputs={}, env={}, user="someone-else", asset="other", partition=None, step="caption")
     job = resolve(request, night.skypilot.get_fleet())

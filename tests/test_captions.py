@@ -13,8 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from gpudoor_pipelines import captions
-from gpudoor_pipelines.captions import MERGED_COLUMNS, captions_prefix, done_shards, merge_captions
+from gpudoor_pipelines.data import captions
+from gpudoor_pipelines.data.captions import MERGED_COLUMNS, captions_prefix, done_shards, merge_captions
 from gpudoor_pipelines.transit.bucket import MANIFEST_NAME, LocalTransitBucket
 
 MODEL = "color-shape-v1"

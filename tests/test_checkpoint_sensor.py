@@ -18,7 +18,7 @@ import yaml
 from gpudoor_pipelines.assets.partitions import checkpoint_partitions
 from gpudoor_pipelines.automation import sensors
 from gpudoor_pipelines.automation.sensors import RANGE_END, RANGE_START, new_checkpoint_sensor
-from gpudoor_pipelines.checkpoints import (
+from gpudoor_pipelines.data.checkpoints import (
     ScanPolicy,
     check_training_id,
     new_training_id,

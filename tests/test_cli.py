@@ -7,7 +7,7 @@ import json
 import dagster as dg
 import pytest
 
-from gpudoor_pipelines.cli import main
+from gpudoor_pipelines.cli.main import main
 
 
 @pytest.mark.parametrize(
@@ -71,9 +71,9 @@ def test_pools_sets_dagster_concurrency_from_the_caps(capsys, tmp_path, monkeypa
 
 
 def test_assets_run_in_the_dagster_pool_of_their_route():
-    from gpudoor_pipelines.concurrency import STEP_POOLS, dagster_pool_for
+    from gpudoor_pipelines.assets.concurrency import STEP_POOLS, dagster_pool_for
     from gpudoor_pipelines.definitions import defs
-    from gpudoor_pipelines.launch.fleet import load_fleet
+    from gpudoor_pipelines.launch.resolve.fleet import load_fleet
 
     fleet = load_fleet()
     for step, pool in STEP_POOLS.items():

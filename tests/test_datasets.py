@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from gpudoor_pipelines.datasets import (
+from gpudoor_pipelines.data.datasets import (
     DatasetSourceError,
     SourceListing,
     index_key,
@@ -278,7 +278,7 @@ def test_an_unreadable_index_is_never_overwritten(bucket):
 
 
 def test_write_synthetic_writes_only_missing_images(bucket):
-    from workloads.synthetic import generate_image
+    from gpudoor_pipelines.data.synthetic import generate_image
 
     uri = write_synthetic(bucket, "synthetic", num_images=6, image_size=16)
     assert uri == bucket.uri("datasets/synthetic/images")

@@ -60,7 +60,7 @@ def test_nightly_schedule_requests_the_shards_not_captioned_in_the_window(tmp_pa
 
     from gpudoor_pipelines.assets.partitions import SHARDS
     from gpudoor_pipelines.automation.schedules import TAG_WINDOW_END
-    from gpudoor_pipelines.captions import captions_prefix
+    from gpudoor_pipelines.data.captions import captions_prefix
     from gpudoor_pipelines.definitions import build_defs
     from gpudoor_pipelines.transit.resource import TransitBucketResource
 

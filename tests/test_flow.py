@@ -9,7 +9,7 @@ import uuid
 import dagster as dg
 import pytest
 
-from gpudoor_pipelines.flow import run_flow
+from gpudoor_pipelines.cli.flow import run_flow
 
 pytestmark = pytest.mark.e2e
 
@@ -48,7 +48,7 @@ def test_whole_flow_on_the_embedded_default(instance, tmp_path, capfd):
     """`gpudoor flow`'s view of it: one line per step with its pool, job and state; the event log in a file."""
     import io
 
-    from gpudoor_pipelines.progress import FlowProgress
+    from gpudoor_pipelines.cli.progress import FlowProgress
 
     out = io.StringIO()
     progress = FlowProgress(instance, tmp_path / "flow.log", out=out, poll_s=0.2)
@@ -74,8 +74,8 @@ def test_whole_flow_on_the_embedded_default(instance, tmp_path, capfd):
 
 
 def test_a_failed_step_says_what_failed_and_the_fix_without_a_traceback(instance, tmp_path):
+    from gpudoor_pipelines.cli.flow import FlowFailed
     from gpudoor_pipelines.definitions import build_defs
-    from gpudoor_pipelines.flow import FlowFailed
 
     with pytest.raises(FlowFailed) as err:
         run_flow(build_defs(), instance, run_config={"dataset_shards": {"source": str(tmp_path / "no-such-folder")}}, console_log_level="CRITICAL")

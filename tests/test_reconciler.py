@@ -14,14 +14,15 @@ import time
 import dagster as dg
 import yaml
 
+from gpudoor_pipelines.automation.reconcile import RunFacts, plan_releases
 from gpudoor_pipelines.automation.reconciler import orphan_reconciler, release_held_gpus_job
-from gpudoor_pipelines.launch.backends.base import Holding, ResolvedJob
 from gpudoor_pipelines.launch.backends.local import LocalBackend, _group_alive
 from gpudoor_pipelines.launch.client import PipesSkyPilotClient
-from gpudoor_pipelines.launch.fleet import ReconcilerPolicy
-from gpudoor_pipelines.launch.routing import Route
-from gpudoor_pipelines.launch.rules import identity_signature
-from gpudoor_pipelines.reconcile import RunFacts, plan_releases
+from gpudoor_pipelines.launch.job import Holding
+from gpudoor_pipelines.launch.resolve.fleet import ReconcilerPolicy
+from gpudoor_pipelines.launch.resolve.request import ResolvedJob
+from gpudoor_pipelines.launch.resolve.routing import Route
+from gpudoor_pipelines.launch.resolve.rules import identity_signature
 from gpudoor_pipelines.transit.resource import TransitBucketResource
 from tests.launch.fake_sky import Status
 
@@ -125,7 +126,7 @@ def test_a_holding_without_a_time_is_aged_from_when_the_reconciler_first_saw_it(
 
 # ------------------------------------------------------------------ the sensor and its job, on the embedded default
 def _fleet_file(tmp_path, **reconciler) -> str:
-    from gpudoor_pipelines.launch.fleet import DEFAULT_FLEET_FILE
+    from gpudoor_pipelines.launch.resolve.fleet import DEFAULT_FLEET_FILE
 
     fleet = yaml.safe_load(DEFAULT_FLEET_FILE.read_text())
     fleet["reconciler"] = {"grace_minutes": 0, **reconciler}
@@ -140,7 +141,7 @@ def _local_client(tmp_path, **reconciler) -> PipesSkyPilotClient:
 
 
 def _submit(backend: LocalBackend, name: str, labels: dict, cluster: str | None = None) -> str:
-    from gpudoor_pipelines.launch.fleet import load_fleet
+    from gpudoor_pipelines.launch.resolve.fleet import load_fleet
 
     pool = load_fleet().pools["onprem"]
     job = ResolvedJob(name=name, config={"run": "sleep 600", "resources": {"labels": labels}}, workdir=os.getcwd(),

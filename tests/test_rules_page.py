@@ -7,9 +7,9 @@ import copy
 import pytest
 import yaml
 
-from gpudoor_pipelines.cli import main
-from gpudoor_pipelines.launch.fleet import DEFAULT_FLEET_FILE
-from gpudoor_pipelines.rules_page import DEFAULT_RULES_PAGE, render_file
+from gpudoor_pipelines.cli.main import main
+from gpudoor_pipelines.cli.rules_page import DEFAULT_RULES_PAGE, render_file
+from gpudoor_pipelines.launch.resolve.fleet import DEFAULT_FLEET_FILE
 
 
 @pytest.fixture(scope="module")

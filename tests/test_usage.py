@@ -15,8 +15,8 @@ from gpudoor_pipelines.assets.usage import WEEKS, gpu_usage, usage_table, week_o
 from gpudoor_pipelines.automation.schedules import weekly_gpu_usage_schedule
 from gpudoor_pipelines.launch.backends.local import LocalBackend
 from gpudoor_pipelines.launch.client import PipesSkyPilotClient
-from gpudoor_pipelines.launch.request import LaunchRequest, resolve
-from gpudoor_pipelines.launch.specs import load_spec
+from gpudoor_pipelines.launch.resolve.request import LaunchRequest, resolve
+from gpudoor_pipelines.launch.resolve.specs import load_spec
 from gpudoor_pipelines.transit.io_manager import TransitIOManager
 from gpudoor_pipelines.transit.resource import TransitBucketResource
 from tests.launch.fake_sky import Record, Status

@@ -198,9 +198,9 @@ def load_captioner(model: str) -> CaptionFn:
     # Imported only now: torch takes seconds to load, and a job with nothing to caption needs none of it.
     from PIL import UnidentifiedImageError
 
+    from gpudoor_pipelines.data.synthetic import caption_text
     from workloads.captioner import ColorShapeCaptioner
     from workloads.model import decode_pixels
-    from workloads.synthetic import caption_text
 
     captioner = ColorShapeCaptioner()
     say(f"captioning with {model} on {captioner.device}")

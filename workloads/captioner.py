@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from gpudoor_pipelines.data.synthetic import COLORS, caption_text
 from workloads.model import decode_pixels, pick_device
-from workloads.synthetic import COLORS, caption_text
 
 # Distance from white (summed over channels) beyond which a pixel is ink, not background.
 _INK_THRESHOLD = 90.0

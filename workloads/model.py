@@ -11,9 +11,9 @@ import torch
 from PIL import Image
 from torch import nn
 
+from gpudoor_pipelines.data.synthetic import COLORS, SHAPES, is_heldout
 from gpudoor_pipelines.transit.bucket import read_bytes
 from workloads.checkpoints import checkpoint_file_uri
-from workloads.synthetic import COLORS, SHAPES, is_heldout
 
 IMAGE_SIZE = 32
 

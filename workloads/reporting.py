@@ -34,7 +34,7 @@ def saved(what: str, **fields: Any) -> dict[str, Any]:
     """A custom message saying work is saved up to now (a part written, a checkpoint published).
 
     Send it right after the save: ``durable_at`` (this machine's UNIX time) tells the step how much
-    work a preemption after it loses (``gpudoor_pipelines.launch.goodput``).
+    work a preemption after it loses (``gpudoor_pipelines.launch.record.goodput``).
     """
     return {"saved": what, "durable_at": time.time(), **fields}
 

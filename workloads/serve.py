@@ -27,9 +27,9 @@ from urllib.parse import parse_qs, urlsplit
 
 import torch
 
+from gpudoor_pipelines.data.synthetic import COLORS, SHAPES, caption_text, generate_image
 from workloads.config import ConfigError, env_int, env_str, run_main
 from workloads.model import ShapeColorNet, image_to_input, load_model, pick_device, predict
-from workloads.synthetic import COLORS, SHAPES, caption_text, generate_image
 
 
 class Demo:

@@ -5,11 +5,12 @@ import datetime
 import dagster as dg
 from pydantic import Field
 
+from gpudoor_pipelines.assets.concurrency import STEP_POOLS
+from gpudoor_pipelines.assets.k8s import cpu_step_tags
 from gpudoor_pipelines.assets.night import CaptionNight, dataset_of
 from gpudoor_pipelines.assets.partitions import SHARDS, shard_partitions
-from gpudoor_pipelines.captions import merge_captions
-from gpudoor_pipelines.concurrency import STEP_POOLS
-from gpudoor_pipelines.datasets import (
+from gpudoor_pipelines.data.captions import merge_captions
+from gpudoor_pipelines.data.datasets import (
     DatasetSourceError,
     check_dataset_name,
     list_images,
@@ -18,9 +19,8 @@ from gpudoor_pipelines.datasets import (
     shard_key,
     write_synthetic,
 )
-from gpudoor_pipelines.k8s import cpu_step_tags
 from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
-from gpudoor_pipelines.launch.specs import load_spec
+from gpudoor_pipelines.launch.resolve.specs import load_spec
 from gpudoor_pipelines.transit.io_manager import TransitRef
 from gpudoor_pipelines.transit.resource import TransitBucketResource
 

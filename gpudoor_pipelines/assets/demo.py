@@ -5,7 +5,7 @@ import dataclasses
 import dagster as dg
 from pydantic import Field, field_validator
 
-from gpudoor_pipelines.concurrency import STEP_POOLS
+from gpudoor_pipelines.assets.concurrency import STEP_POOLS
 from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
 from gpudoor_pipelines.transit.io_manager import TransitRef
 

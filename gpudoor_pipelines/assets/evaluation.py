@@ -9,13 +9,13 @@ import dagster as dg
 import pandas as pd
 from pydantic import Field
 
+from gpudoor_pipelines.assets.concurrency import STEP_POOLS
 from gpudoor_pipelines.assets.packed import PackedRun
 from gpudoor_pipelines.assets.partitions import checkpoint_partitions
 from gpudoor_pipelines.assets.training import TAG_TRAINING_ID, run_info_key, training_run
-from gpudoor_pipelines.checkpoints import check_training_id, checkpoint_prefix, training_of
-from gpudoor_pipelines.concurrency import STEP_POOLS
+from gpudoor_pipelines.data.checkpoints import check_training_id, checkpoint_prefix, training_of
 from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
-from gpudoor_pipelines.launch.fleet import load_fleet
+from gpudoor_pipelines.launch.resolve.fleet import load_fleet
 from gpudoor_pipelines.transit.bucket import MANIFEST_NAME, TransitBucket, TransitObjectMissing
 from gpudoor_pipelines.transit.io_manager import TransitRef
 from gpudoor_pipelines.transit.resource import TransitBucketResource

@@ -13,8 +13,8 @@ from typing import Any
 import dagster as dg
 
 from gpudoor_pipelines.assets.packed import PackedRun
-from gpudoor_pipelines.captions import captions_prefix, done_shards
-from gpudoor_pipelines.datasets import shard_prefix
+from gpudoor_pipelines.data.captions import captions_prefix, done_shards
+from gpudoor_pipelines.data.datasets import shard_prefix
 
 
 def dataset_of(shard: str) -> str:

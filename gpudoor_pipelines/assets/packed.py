@@ -25,10 +25,10 @@ from typing import Any
 
 import dagster as dg
 
-from gpudoor_pipelines.launch.backends.base import JobInfo, ResolvedJob
 from gpudoor_pipelines.launch.client import BatchResult, PipesSkyPilotClient
-from gpudoor_pipelines.launch.goodput import DURABLE_AT
-from gpudoor_pipelines.launch.request import LaunchRequest, slug
+from gpudoor_pipelines.launch.job import JobInfo
+from gpudoor_pipelines.launch.record.goodput import DURABLE_AT
+from gpudoor_pipelines.launch.resolve.request import LaunchRequest, ResolvedJob, slug
 from gpudoor_pipelines.transit.bucket import TransitBucket
 
 #: Jobs per worker when packing: enough that a slow item does not hold a worker's whole share back,

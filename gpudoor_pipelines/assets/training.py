@@ -6,7 +6,8 @@ import dagster as dg
 from pydantic import Field
 
 from gpudoor_pipelines.assets.common import require_published
-from gpudoor_pipelines.checkpoints import (
+from gpudoor_pipelines.assets.concurrency import STEP_POOLS
+from gpudoor_pipelines.data.checkpoints import (
     check_training_id,
     checkpoint_from_manifest_key,
     new_training_id,
@@ -14,7 +15,6 @@ from gpudoor_pipelines.checkpoints import (
     record_start,
     training_prefix,
 )
-from gpudoor_pipelines.concurrency import STEP_POOLS
 from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
 from gpudoor_pipelines.transit.io_manager import TransitRef
 from gpudoor_pipelines.transit.resource import TransitBucketResource

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 import dagster as dg
 import pandas as pd
 
-from gpudoor_pipelines.k8s import cpu_step_tags
-from gpudoor_pipelines.launch.backends.base import JobUsage
+from gpudoor_pipelines.assets.k8s import cpu_step_tags
 from gpudoor_pipelines.launch.client import PipesSkyPilotClient
-from gpudoor_pipelines.launch.fleet import Fleet
+from gpudoor_pipelines.launch.job import JobUsage
+from gpudoor_pipelines.launch.resolve.fleet import Fleet
 
 #: Weeks run from Monday 00:00 UTC; the week under way is a partition too, its figures growing until it ends.
 WEEKS = dg.WeeklyPartitionsDefinition(start_date="2026-01-05", day_offset=1, end_offset=1)

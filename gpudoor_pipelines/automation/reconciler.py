@@ -2,9 +2,9 @@
 
 Each tick lists what the backend holds (on SkyPilot: three requests, whatever the number of jobs),
 asks the Dagster instance about the runs those holdings name (one query per 500 runs), and judges with
-:func:`gpudoor_pipelines.reconcile.plan_releases`. What to release goes to one run of
+:func:`gpudoor_pipelines.automation.reconcile.plan_releases`. What to release goes to one run of
 ``release_held_gpus``, which asks for each release and then *verifies* it
-(:func:`gpudoor_pipelines.launch.release.release_and_verify`): the run's metadata lists what was
+(:func:`gpudoor_pipelines.launch.record.release.release_and_verify`): the run's metadata lists what was
 released and what was seen; a release not confirmed within the bound fails the run with an error
 event naming the job. The run that launched the holding gets a ``gpudoor/released-…`` tag saying so.
 
@@ -23,18 +23,18 @@ from collections.abc import Sequence
 import dagster as dg
 from pydantic import Field
 
-from gpudoor_pipelines.k8s import cpu_step_tags
-from gpudoor_pipelines.launch.backends.base import Holding
+from gpudoor_pipelines.assets.k8s import cpu_step_tags
+from gpudoor_pipelines.automation.reconcile import Release, RunFacts, claimed_run, named_runs, plan_releases
 from gpudoor_pipelines.launch.client import PipesSkyPilotClient, report_unconfirmed
-from gpudoor_pipelines.launch.fleet import ReconcilerPolicy
-from gpudoor_pipelines.launch.release import ReleaseOutcome, release_and_verify
-from gpudoor_pipelines.launch.rules import LABEL_KEY_ENV, deployment_name
-from gpudoor_pipelines.reconcile import Release, RunFacts, claimed_run, named_runs, plan_releases
+from gpudoor_pipelines.launch.job import Holding
+from gpudoor_pipelines.launch.labels import LABEL_KEY_ENV, TAG_RELEASED_PREFIX
+from gpudoor_pipelines.launch.record.release import ReleaseOutcome, release_and_verify
+from gpudoor_pipelines.launch.resolve.fleet import ReconcilerPolicy
+from gpudoor_pipelines.launch.resolve.rules import deployment_name
 
 #: Tag on the reconciler's own runs.
 RECONCILER_TAG = "gpudoor/reconciler"
 #: Prefix of the tag the reconciler leaves on the run that launched what it released.
-RELEASED_TAG_PREFIX = "gpudoor/released-"
 _RUNS_PER_QUERY = 500
 
 
@@ -157,7 +157,7 @@ def _record_on_owners(context: dg.OpExecutionContext, outcomes: Sequence[Release
             continue
         verdict = f"{'confirmed' if o.confirmed else 'NOT confirmed'} in {o.seconds:.0f} s by run {context.run_id[:8]}"
         context.instance.add_run_tags(
-            run_id, {f"{RELEASED_TAG_PREFIX}{o.holding.kind}-{o.holding.id}"[:255]: verdict}
+            run_id, {f"{TAG_RELEASED_PREFIX}{o.holding.kind}-{o.holding.id}"[:255]: verdict}
         )
 
 

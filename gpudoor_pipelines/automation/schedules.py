@@ -13,8 +13,8 @@ from gpudoor_pipelines.assets.captioning import MAX_SHARDS_PER_RUN, default_capt
 from gpudoor_pipelines.assets.partitions import SHARDS
 from gpudoor_pipelines.assets.usage import gpu_usage, last_finished_week
 from gpudoor_pipelines.automation.jobs import captioning_job, merge_captions_job
-from gpudoor_pipelines.captions import done_shards
-from gpudoor_pipelines.launch.fleet import NightWindow
+from gpudoor_pipelines.data.captions import done_shards
+from gpudoor_pipelines.launch.resolve.fleet import NightWindow
 from gpudoor_pipelines.transit.resource import TransitBucketResource
 
 TAG_WINDOW_END = "gpudoor/window-end"

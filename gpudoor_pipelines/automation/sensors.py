@@ -1,6 +1,6 @@
 """A sensor that sees each new checkpoint in the transit bucket and fans evaluations out.
 
-Each tick lists only what is new (:func:`gpudoor_pipelines.checkpoints.scan_checkpoints`): trainings
+Each tick lists only what is new (:func:`gpudoor_pipelines.data.checkpoints.scan_checkpoints`): trainings
 that (re)started, from the journal, and each watched training from its last complete checkpoint. What
 it evaluates is the fleet file's ``evaluation`` section: every checkpoint written after the sensor was
 turned on, the latest few of each training from before, and at most ``max_runs_per_tick`` runs of
@@ -21,9 +21,9 @@ import dagster as dg
 
 from gpudoor_pipelines.assets.partitions import checkpoint_partitions
 from gpudoor_pipelines.automation.jobs import eval_job
-from gpudoor_pipelines.checkpoints import ScanPolicy, scan_checkpoints
+from gpudoor_pipelines.data.checkpoints import ScanPolicy, scan_checkpoints
 from gpudoor_pipelines.launch.client import PipesSkyPilotClient
-from gpudoor_pipelines.launch.fleet import EvalPolicy
+from gpudoor_pipelines.launch.resolve.fleet import EvalPolicy
 from gpudoor_pipelines.transit.resource import TransitBucketResource
 
 RANGE_START = "dagster/asset_partition_range_start"

@@ -6,7 +6,7 @@ session, launches the job with the session's bootstrap env, waits for it in one 
 (``forward_termination``), and returns a :class:`dagster.PipesClientCompletedInvocation` whose
 results carry the launch record (job id, pool, infra, route, policy notes, queued and running
 seconds, GPU-hours, cost) next to what the job reported itself. The three moves are three places:
-:func:`~gpudoor_pipelines.launch.request.resolve` (pure), the backend (launch), :class:`LaunchRecord`
+:func:`~gpudoor_pipelines.launch.resolve.request.resolve` (pure), the backend (launch), :class:`LaunchRecord`
 (record). The job id goes into the run's tags, so a retried step re-attaches to a job that is still
 running instead of launching a second one.
 
@@ -29,30 +29,26 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from gpudoor_pipelines.launch.backends.base import (
-    FAILURE_MEANING,
-    Backend,
-    Holding,
-    JobInfo,
-    JobState,
-    ResolvedJob,
-)
+from gpudoor_pipelines.launch.backends.base import Backend
 from gpudoor_pipelines.launch.errors import JobFailed, LaunchConfigError, PoolFull
-from gpudoor_pipelines.launch.fleet import Fleet, load_fleet
-from gpudoor_pipelines.launch.goodput import PreemptionCost, Timeline, preemption_cost, saved_times
-from gpudoor_pipelines.launch.release import ReleaseOutcome
-from gpudoor_pipelines.launch.request import LaunchRequest, resolve, slug
-from gpudoor_pipelines.launch.routing import Usage
-from gpudoor_pipelines.launch.specs import TaskSpec, load_spec
+from gpudoor_pipelines.launch.job import FAILURE_MEANING, Holding, JobInfo, JobState
+from gpudoor_pipelines.launch.labels import (
+    TAG_COST_OWNER,
+    TAG_INFRA,
+    TAG_JOB_PREFIX,
+    TAG_POOL,
+    TAG_RELEASED_PREFIX,
+)
+from gpudoor_pipelines.launch.record.goodput import PreemptionCost, Timeline, preemption_cost, saved_times
+from gpudoor_pipelines.launch.record.release import ReleaseOutcome
+from gpudoor_pipelines.launch.resolve.fleet import Fleet, load_fleet
+from gpudoor_pipelines.launch.resolve.request import LaunchRequest, ResolvedJob, resolve, slug
+from gpudoor_pipelines.launch.resolve.routing import Usage
+from gpudoor_pipelines.launch.resolve.specs import TaskSpec, load_spec
 from gpudoor_pipelines.launch.watch import Backoff, StatusHub, status_hub
 from gpudoor_pipelines.transit.bucket import TransitBucket
 from gpudoor_pipelines.transit.resource import TransitBucketResource
 
-TAG_POOL = "gpudoor/pool"
-TAG_INFRA = "gpudoor/infra"
-TAG_COST_OWNER = "gpudoor/cost-owner"
-_TAG_JOB_PREFIX = "gpudoor/job-"
-_TAG_RELEASED_PREFIX = "gpudoor/released-"
 _UNSET: Any = object()
 
 
@@ -296,7 +292,7 @@ def _report_preemptions(job_ids: Sequence[str], before: Mapping[str, JobInfo], n
 
 def _job_tag_key(request: LaunchRequest) -> str:
     """The run tag under which a step records the job it launched (a retried step re-attaches to it)."""
-    key = f"{_TAG_JOB_PREFIX}{slug(request.asset or '', 60)}" + (f"-{slug(request.partition, 60)}" if request.partition else "")
+    key = f"{TAG_JOB_PREFIX}{slug(request.asset or '', 60)}" + (f"-{slug(request.partition, 60)}" if request.partition else "")
     return key + f"-{slug(request.step or request.spec.kind, 20)}"
 
 
@@ -782,11 +778,11 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
         """Releases jobs (or a warm pool) and looks until nothing is held (the job terminal, its cluster gone,
         its processes gone): each verdict goes into the run's tags; a release not confirmed within
         ``cancel_timeout_s`` is an error event naming it (the orphan reconciler tries again once the run has ended)."""
-        from gpudoor_pipelines.launch.release import release_and_verify
+        from gpudoor_pipelines.launch.record.release import release_and_verify
 
         outcomes = release_and_verify(backend, holdings, timeout_s=self.cancel_timeout_s, poll_s=max(self.poll_interval_s, 1.0))
         context.instance.add_run_tags(context.run.run_id, {
-            f"{_TAG_RELEASED_PREFIX}{o.holding.kind}-{o.holding.id}"[:255]: f"{'confirmed' if o.confirmed else 'NOT confirmed'} in {o.seconds:.0f} s"
+            f"{TAG_RELEASED_PREFIX}{o.holding.kind}-{o.holding.id}"[:255]: f"{'confirmed' if o.confirmed else 'NOT confirmed'} in {o.seconds:.0f} s"
             for o in outcomes
         })  # fmt: skip
         step_key = context.get_step_execution_context().step.key

@@ -19,7 +19,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from gpudoor_pipelines.launch.backends.base import Backend, JobInfo
+from gpudoor_pipelines.launch.backends.base import Backend
+from gpudoor_pipelines.launch.job import JobInfo
 
 
 class Backoff:

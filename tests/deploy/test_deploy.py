@@ -272,7 +272,7 @@ def test_instance_settings_take_effect_in_a_real_instance(values, tmp_path):
     import dagster as dg
     from dagster_k8s import K8sRunLauncher
 
-    from gpudoor_pipelines.concurrency import sync_pool_limits
+    from gpudoor_pipelines.assets.concurrency import sync_pool_limits
 
     settings = {k: v for k, v in _load(INSTANCE_FILE).items() if k != "storage"}
     # No cluster here: a kubeconfig instead of the in-cluster config.
@@ -558,7 +558,7 @@ def test_pool_limits_match_the_fleet(values, location):
     from dagster_k8s.models import k8s_model_from_dict, k8s_snake_case_dict
     from kubernetes.client import V1Job
 
-    from gpudoor_pipelines.concurrency import pool_limits
+    from gpudoor_pipelines.assets.concurrency import pool_limits
 
     limits = pool_limits()
     assert values["gpudoor"]["poolLimits"] == limits
@@ -594,8 +594,8 @@ def _readme_secrets() -> dict[str, set[str]]:
 
 def test_readme_creates_the_secrets_the_files_name(values, location):
     """The secrets deploy/README.md creates are the ones the files use, with the keys the code reads."""
-    from gpudoor_pipelines.launch.fleet import load_fleet
-    from gpudoor_pipelines.launch.policy import LABEL_KEY_NAME, SECRET_ENV_VARS, TRANSIT_ENV_VARS
+    from gpudoor_pipelines.launch.resolve.fleet import load_fleet
+    from gpudoor_pipelines.launch.server.policy import LABEL_KEY_NAME, SECRET_ENV_VARS, TRANSIT_ENV_VARS
 
     secrets = _readme_secrets()
     for name, keys in RUN_SECRET_KEYS.items():
@@ -669,7 +669,7 @@ def test_a_broken_skypilot_config_is_refused(strict_sky_schema, path, bad):
 
 def test_skypilot_config_matches_the_fleet():
     """The server allows exactly the fleet's Slurm clusters and Kubernetes context, at its priority class."""
-    from gpudoor_pipelines.launch.fleet import load_fleet
+    from gpudoor_pipelines.launch.resolve.fleet import load_fleet
 
     config = _load(SKY_CONFIG)
     pools = load_fleet().pools.values()
@@ -717,7 +717,7 @@ def test_api_server_loads_the_policy_without_dagster():
         from sky.utils import admin_policy_utils
         config = yaml.safe_load(open("deploy/skypilot/config.yaml"))
         policy = admin_policy_utils._get_policy_impl(config["admin_policy"])
-        from gpudoor_pipelines.launch.fleet import load_fleet
+        from gpudoor_pipelines.launch.resolve.fleet import load_fleet
         import os
         fleet = load_fleet(os.environ["GPUDOOR_FLEET_FILE"])
         print(json.dumps({"policy": type(policy).__module__ + "." + type(policy).__name__, "pools": sorted(fleet.pools)}))

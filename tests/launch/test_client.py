@@ -13,9 +13,9 @@ from pathlib import Path
 import dagster as dg
 import yaml
 
-from gpudoor_pipelines.launch.backends.base import JobState
 from gpudoor_pipelines.launch.backends.local import LocalBackend
 from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
+from gpudoor_pipelines.launch.job import JobState
 from gpudoor_pipelines.transit.resource import TransitBucketResource
 from tests.conftest import PROJECT_ROOT
 
@@ -104,7 +104,7 @@ def test_retried_step_reattaches_to_the_running_job(tmp_path):
     specs = _specs(tmp_path, "echo should-not-run-twice")
     backend = LocalBackend(home=tmp_path / "home")
     # A job from an earlier attempt of the same step, still running.
-    from gpudoor_pipelines.launch.backends.base import ResolvedJob
+    from gpudoor_pipelines.launch.resolve.request import ResolvedJob
 
     earlier = backend.submit(
         ResolvedJob(name="earlier", config={"name": "earlier", "resources": {"accelerators": "L4:1"}, "run": "sleep 10; echo earlier-attempt-done"},
@@ -181,8 +181,8 @@ def test_job_env_json_has_no_secrets(tmp_path, monkeypatch):
 def test_a_batch_reports_each_preemption_of_a_rank_once():
     """A rank seen entering RECOVERING is one preemption; a recovery count that rose between two polls
     (RECOVERING never seen) is one too; seeing it RUNNING again afterwards is none."""
-    from gpudoor_pipelines.launch.backends.base import JobInfo, JobState
     from gpudoor_pipelines.launch.client import _report_preemptions
+    from gpudoor_pipelines.launch.job import JobInfo, JobState
 
     def polls(*states: tuple[JobState, int]) -> list[tuple[int, float]]:
         seen, reported, before = [], {}, {}

@@ -235,7 +235,7 @@ def test_an_evicted_job_stays_with_skypilots_recovery_when_no_pool_of_recover_to
 
 def test_recover_to_names_other_pools_of_the_fleet(tmp_path):
     from gpudoor_pipelines.launch.errors import LaunchConfigError
-    from gpudoor_pipelines.launch.fleet import load_fleet
+    from gpudoor_pipelines.launch.resolve.fleet import load_fleet
 
     with pytest.raises(LaunchConfigError) as e:
         load_fleet(_fleet_recovering_onprem_to(tmp_path, "inferense"))

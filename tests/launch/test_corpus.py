@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpudoor_pipelines.cli import main
+from gpudoor_pipelines.cli.main import main
 from gpudoor_pipelines.launch.errors import LaunchConfigError
-from gpudoor_pipelines.launch.fleet import load_fleet
-from gpudoor_pipelines.launch.request import LaunchRequest, resolve
-from gpudoor_pipelines.launch.specs import load_spec
+from gpudoor_pipelines.launch.resolve.fleet import load_fleet
+from gpudoor_pipelines.launch.resolve.request import LaunchRequest, resolve
+from gpudoor_pipelines.launch.resolve.specs import load_spec
 
 CORPUS = Path(__file__).parent / "corpus"
 FILES = sorted(CORPUS.glob("*.yaml"))

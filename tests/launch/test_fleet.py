@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from gpudoor_pipelines.launch.errors import LaunchConfigError
-from gpudoor_pipelines.launch.fleet import load_fleet, parse_fleet
+from gpudoor_pipelines.launch.resolve.fleet import load_fleet, parse_fleet
 from tests.conftest import SPECS_DIR
 
 RAW = yaml.safe_load((SPECS_DIR / "fleet.yaml").read_text())
@@ -62,7 +62,7 @@ def test_fleet_file_missing_or_not_yaml(tmp_path):
 
 
 def test_a_pool_declares_only_features_skypilot_knows():
-    from gpudoor_pipelines.launch.fleet import SKYPILOT_FEATURES
+    from gpudoor_pipelines.launch.resolve.fleet import SKYPILOT_FEATURES
 
     raw = yaml.safe_load((SPECS_DIR / "fleet.yaml").read_text())
     raw["pools"]["inference"]["features"] = ["spot_instance", "spot_instanse"]
@@ -77,8 +77,8 @@ def test_a_pool_declares_only_features_skypilot_knows():
 
 def test_a_declared_feature_opens_the_pool_to_jobs_that_need_it(tmp_path):
     """Spot nodes on the inference cluster, declared in the fleet: a spot job stays on the free pool."""
-    from gpudoor_pipelines.launch.routing import route
-    from gpudoor_pipelines.launch.specs import load_spec
+    from gpudoor_pipelines.launch.resolve.routing import route
+    from gpudoor_pipelines.launch.resolve.specs import load_spec
 
     raw = yaml.safe_load((SPECS_DIR / "fleet.yaml").read_text())
     raw["pools"]["inference"]["features"] = ["spot_instance"]

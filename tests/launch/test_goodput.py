@@ -2,8 +2,8 @@
 
 import pytest
 
-from gpudoor_pipelines.launch.backends.base import JobInfo, JobState
-from gpudoor_pipelines.launch.goodput import Timeline, preemption_cost, saved_times
+from gpudoor_pipelines.launch.job import JobInfo, JobState
+from gpudoor_pipelines.launch.record.goodput import Timeline, preemption_cost, saved_times
 
 R, REC, P, OK = JobState.RUNNING, JobState.RECOVERING, JobState.PENDING, JobState.SUCCEEDED
 

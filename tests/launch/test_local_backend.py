@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from gpudoor_pipelines.launch.backends.base import JobState, ResolvedJob
 from gpudoor_pipelines.launch.backends.local import LocalBackend
+from gpudoor_pipelines.launch.job import JobState
+from gpudoor_pipelines.launch.resolve.request import ResolvedJob
 from tests.conftest import PROJECT_ROOT
 
 

@@ -207,8 +207,8 @@ def test_the_choice_among_gpu_alternatives_does_not_depend_on_the_hash_seed(tmp_
 
     probe = (
         "import sky, json\n"
-        "from gpudoor_pipelines.launch.policy import mutate_config, task_config\n"
-        "from gpudoor_pipelines.launch.fleet import load_fleet\n"
+        "from gpudoor_pipelines.launch.server.policy import mutate_config, task_config\n"
+        "from gpudoor_pipelines.launch.resolve.fleet import load_fleet\n"
         "task = sky.Task.from_yaml_config({'name': 'sweep', 'run': 'true', 'resources': {'accelerators': {'L4:4': None, 'A100:1': None, 'L4:1': None, 'L40S:1': None}}})\n"
         "print(mutate_config(task_config(task, 't'), load_fleet())['resources']['accelerators'])\n"
     )
@@ -222,8 +222,8 @@ def test_the_choice_among_gpu_alternatives_does_not_depend_on_the_hash_seed(tmp_
 
 def test_skypilots_own_bookkeeping_on_the_server_is_not_the_users_problem(sky):
     """The server adds `_metadata` to a task, and writes a managed-job pool's spec as `service: {pool: ...}`."""
-    from gpudoor_pipelines.launch.fleet import load_fleet
-    from gpudoor_pipelines.launch.policy import mutate_config, task_config
+    from gpudoor_pipelines.launch.resolve.fleet import load_fleet
+    from gpudoor_pipelines.launch.server.policy import mutate_config, task_config
 
     pool_task = sky.Task.from_yaml_config({**_spec("caption", labels=OWNER), "pool": {"workers": 2}})
     config = {**task_config(pool_task, "pool"), "_metadata": {"git_commit": "abc"}}
@@ -236,8 +236,8 @@ def test_skypilots_own_bookkeeping_on_the_server_is_not_the_users_problem(sky):
 
 def test_file_mounts_skypilot_adds_for_the_launchers_workdir_are_not_refused(sky):
     """A pool's worker launch carries the workdir as file mounts; a task file's own mounts are still refused."""
-    from gpudoor_pipelines.launch.fleet import load_fleet
-    from gpudoor_pipelines.launch.policy import mutate_config
+    from gpudoor_pipelines.launch.resolve.fleet import load_fleet
+    from gpudoor_pipelines.launch.server.policy import mutate_config
 
     mounts = {"~/sky_workdir": "/var/lib/api-server/blobs/abc"}
     launched = {**_spec("caption", labels={**OWNER, "gpudoor-via": "launcher"}), "file_mounts": mounts}
@@ -276,8 +276,8 @@ def test_a_run_identity_reaches_the_server_only_when_signed_with_the_deployment_
 
 def test_the_server_names_the_user_whatever_the_task_says(sky):
     """Who launched comes from SkyPilot's authenticated user, never from the task's own gpudoor-user label."""
-    from gpudoor_pipelines.launch.fleet import load_fleet
-    from gpudoor_pipelines.launch.policy import mutate_config
+    from gpudoor_pipelines.launch.resolve.fleet import load_fleet
+    from gpudoor_pipelines.launch.server.policy import mutate_config
 
     config = _spec("eval", infra="k8s/inference-prod", labels={**OWNER, "gpudoor-user": "someone-else"})
     out = mutate_config(config, load_fleet(), user="alice", at_client_side=False)
@@ -286,8 +286,8 @@ def test_the_server_names_the_user_whatever_the_task_says(sky):
 
 def test_a_raw_task_with_skypilots_own_settings_is_not_refused_for_them(sky):
     """SkyPilot's client adds its API server's URL to a task it sends; the server does not take it for a path."""
-    from gpudoor_pipelines.launch.fleet import load_fleet
-    from gpudoor_pipelines.launch.policy import mutate_config
+    from gpudoor_pipelines.launch.resolve.fleet import load_fleet
+    from gpudoor_pipelines.launch.server.policy import mutate_config
 
     config = _spec("eval", infra="k8s/inference-prod", labels=OWNER)
     config["envs"] = {**(config.get("envs") or {}), "SKYPILOT_API_SERVER_ENDPOINT": "http://127.0.0.1:46580"}
@@ -297,8 +297,8 @@ def test_a_raw_task_with_skypilots_own_settings_is_not_refused_for_them(sky):
 
 def _held(monkeypatch, *, pools: dict[str, int] | None = None, onto_warm_pool: bool = False, consolidated: bool = True):
     """What the server reads as held now (its own jobs tables, faked: no jobs controller runs here)."""
-    from gpudoor_pipelines.launch import policy
-    from gpudoor_pipelines.launch.routing import Usage
+    from gpudoor_pipelines.launch.resolve.routing import Usage
+    from gpudoor_pipelines.launch.server import policy
 
     usage = Usage(gpus=dict(pools or {})) if consolidated else None
     monkeypatch.setattr(policy, "server_usage", lambda: usage)
@@ -383,7 +383,7 @@ def test_the_server_reads_what_running_and_pending_jobs_and_warm_pools_hold(monk
     """From the jobs controller's tables in the server's process: a pending job by the task it was launched with."""
     from sky.jobs import utils as managed_job_utils
 
-    from gpudoor_pipelines.launch import policy
+    from gpudoor_pipelines.launch.server import policy
 
     pending_task = yaml.safe_dump_all([{"name": "t"}, {"num_nodes": 2, "resources": {
         "accelerators": "H200:8", "labels": {"gpudoor-pool": "h200", "gpudoor-user": "bob"}}}])  # fmt: skip

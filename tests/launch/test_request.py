@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from gpudoor_pipelines.cli import main
+from gpudoor_pipelines.cli.main import main
 from gpudoor_pipelines.launch.errors import LaunchConfigError
-from gpudoor_pipelines.launch.fleet import load_fleet
-from gpudoor_pipelines.launch.request import LaunchRequest, resolve
-from gpudoor_pipelines.launch.routing import Usage
-from gpudoor_pipelines.launch.specs import load_spec
+from gpudoor_pipelines.launch.resolve.fleet import load_fleet
+from gpudoor_pipelines.launch.resolve.request import LaunchRequest, resolve
+from gpudoor_pipelines.launch.resolve.routing import Usage
+from gpudoor_pipelines.launch.resolve.specs import load_spec
 
 
 def test_resolve_is_pure_and_names_the_job_after_the_run():

@@ -6,9 +6,9 @@ import pytest
 import yaml
 
 from gpudoor_pipelines.launch.errors import LaunchConfigError
-from gpudoor_pipelines.launch.fleet import load_fleet, parse_fleet
-from gpudoor_pipelines.launch.routing import Usage, route
-from gpudoor_pipelines.launch.specs import load_spec
+from gpudoor_pipelines.launch.resolve.fleet import load_fleet, parse_fleet
+from gpudoor_pipelines.launch.resolve.routing import Usage, route
+from gpudoor_pipelines.launch.resolve.specs import load_spec
 from tests.conftest import SPECS_DIR
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import copy
 
 from gpudoor_pipelines.launch.errors import PolicyRejection
-from gpudoor_pipelines.launch.fleet import load_fleet
-from gpudoor_pipelines.launch.routing import route
-from gpudoor_pipelines.launch.rules import (
+from gpudoor_pipelines.launch.resolve.fleet import load_fleet
+from gpudoor_pipelines.launch.resolve.routing import route
+from gpudoor_pipelines.launch.resolve.rules import (
     Draft,
     Injected,
     LaunchContext,
@@ -20,7 +20,7 @@ from gpudoor_pipelines.launch.rules import (
     priority_class_rule,
     secrets_rule,
 )
-from gpudoor_pipelines.launch.specs import load_spec
+from gpudoor_pipelines.launch.resolve.specs import load_spec
 
 FLEET = load_fleet()
 CTX = LaunchContext(cost_owner="ml-research", user="ada", step="eval", dagster={"dagster/run-id": "0123abcd", "dagster/asset": "checkpoint_evals"})

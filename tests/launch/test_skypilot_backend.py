@@ -13,9 +13,9 @@ import pytest
 
 from gpudoor_pipelines.launch.backends.skypilot import SkyPilotBackend
 from gpudoor_pipelines.launch.errors import LaunchConfigError
-from gpudoor_pipelines.launch.fleet import load_fleet
-from gpudoor_pipelines.launch.request import LaunchRequest, resolve
-from gpudoor_pipelines.launch.specs import load_spec
+from gpudoor_pipelines.launch.resolve.fleet import load_fleet
+from gpudoor_pipelines.launch.resolve.request import LaunchRequest, resolve
+from gpudoor_pipelines.launch.resolve.specs import load_spec
 from tests.conftest import PROJECT_ROOT
 
 

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from gpudoor_pipelines.launch.errors import LaunchConfigError
-from gpudoor_pipelines.launch.specs import load_spec, parse_accelerators, validate_with_skypilot
+from gpudoor_pipelines.launch.resolve.specs import load_spec, parse_accelerators, validate_with_skypilot
 from tests.conftest import SPECS_DIR
 
 SPECS = ["caption", "train", "eval", "smoke", "demo"]
@@ -119,7 +119,7 @@ def test_cpu_only_spec_is_a_valid_task(tmp_path):
 
 
 def test_spec_is_loaded_and_checked_once_per_file_version(tmp_path, monkeypatch):
-    import gpudoor_pipelines.launch.specs as specs
+    import gpudoor_pipelines.launch.resolve.specs as specs
 
     calls = []
     real = specs.validate_with_skypilot

@@ -17,7 +17,7 @@ import yaml
 from gpudoor_pipelines.launch.backends.step_clusters import MAX_RELAUNCHES, clusters_held
 from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
 from gpudoor_pipelines.launch.errors import LaunchConfigError
-from gpudoor_pipelines.launch.fleet import load_fleet
+from gpudoor_pipelines.launch.resolve.fleet import load_fleet
 from tests.conftest import SPECS_DIR
 from tests.launch import test_client_on_fake_skypilot as on_fake
 from tests.launch.test_client_on_fake_skypilot import _client
@@ -125,8 +125,8 @@ def test_a_terminated_run_tears_its_step_cluster_down_and_verifies_it_is_gone(tm
 
 
 def test_launches_outside_a_dagster_run_and_services_are_never_step_clusters(tmp_path):
-    from gpudoor_pipelines.launch.request import LaunchRequest, resolve
-    from gpudoor_pipelines.launch.specs import load_spec
+    from gpudoor_pipelines.launch.resolve.request import LaunchRequest, resolve
+    from gpudoor_pipelines.launch.resolve.specs import load_spec
 
     fleet = load_fleet(_fleet(tmp_path, smoke="cluster"))
     run = {"dagster/run-id": "0123abcd-run"}

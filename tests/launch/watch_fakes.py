@@ -8,8 +8,9 @@ import time
 import types
 from collections.abc import Sequence
 
-from gpudoor_pipelines.launch.backends.base import Backend, JobInfo, JobState, LogFollower
-from gpudoor_pipelines.launch.routing import Usage
+from gpudoor_pipelines.launch.backends.base import Backend, LogFollower
+from gpudoor_pipelines.launch.job import JobInfo, JobState
+from gpudoor_pipelines.launch.resolve.routing import Usage
 
 
 class _TimedFollower(LogFollower):

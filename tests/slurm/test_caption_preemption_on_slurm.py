@@ -12,8 +12,8 @@ import dagster as dg
 import pyarrow.parquet as pq
 import pytest
 
-from gpudoor_pipelines.captions import done_shards
-from gpudoor_pipelines.launch.request import slug
+from gpudoor_pipelines.data.captions import done_shards
+from gpudoor_pipelines.launch.resolve.request import slug
 from tests.slurm.conftest import Preempter, scancel, squeue
 from tests.slurm.test_client_on_slurm import _logs, _resource
 

@@ -62,7 +62,7 @@ def test_caption_shards_run_as_one_batch_on_a_warm_pool_on_slurm(testbed, transi
     import sky
 
     from gpudoor_pipelines.assets.captioning import caption_shards, dataset_shards
-    from gpudoor_pipelines.captions import done_shards
+    from gpudoor_pipelines.data.captions import done_shards
     from gpudoor_pipelines.transit.io_manager import TransitIOManager
 
     defs = dg.Definitions(
@@ -169,9 +169,9 @@ def test_server_policy_rejects_before_anything_is_submitted(testbed, transit):
     """Bypassing the client-side rules, the API server's admin policy still refuses the job, saying every problem."""
     import sky
 
-    from gpudoor_pipelines.launch.backends.base import ResolvedJob
     from gpudoor_pipelines.launch.backends.skypilot import SkyPilotBackend
     from gpudoor_pipelines.launch.errors import LaunchConfigError
+    from gpudoor_pipelines.launch.resolve.request import ResolvedJob
 
     config = {
         "name": "past-the-door",

@@ -19,10 +19,10 @@ import pandas as pd
 import pytest
 import yaml
 
+from gpudoor_pipelines.data.synthetic import caption_text, generate_image, image_id
 from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
 from tests.slurm.conftest import Preempter, running_allocation, scancel, squeue
 from tests.slurm.test_client_on_slurm import BED_FLEET, REPO_ROOT
-from workloads.synthetic import caption_text, generate_image, image_id
 
 MAX_STEPS, CHECKPOINT_EVERY = 40, 10
 #: From the job's submission to the end of the recovered run: provisioning, the preemption seen by

@@ -22,8 +22,8 @@ from transit_helpers import (
     raw_client,
 )
 
-from gpudoor_pipelines.captions import captions_prefix, done_shards, merge_captions
-from gpudoor_pipelines.datasets import (
+from gpudoor_pipelines.data.captions import captions_prefix, done_shards, merge_captions
+from gpudoor_pipelines.data.datasets import (
     DatasetSourceError,
     list_images,
     register_dataset,

@@ -27,8 +27,8 @@ from workload_helpers import (
     write_batch,
 )
 
+from gpudoor_pipelines.data.synthetic import generate_image
 from gpudoor_pipelines.transit import bucket as storage
-from workloads.synthetic import generate_image
 
 PART_COLUMNS = ["image_uri", "image_id", "caption", "model", "error"]
 

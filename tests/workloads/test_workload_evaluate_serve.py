@@ -13,8 +13,8 @@ from subprocess import Popen
 import pytest
 from workload_helpers import PATIENCE_S, free_port, run_under_pipes, start_workload, wait_for
 
+from gpudoor_pipelines.data.synthetic import COLORS, SHAPES
 from gpudoor_pipelines.transit import bucket as storage
-from workloads.synthetic import COLORS, SHAPES
 
 
 @pytest.fixture(scope="module")

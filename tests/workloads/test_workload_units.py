@@ -11,8 +11,8 @@ import os
 import pytest
 from workload_helpers import exists
 
+from gpudoor_pipelines.data.synthetic import COLORS, SHAPES, generate_image, image_id, is_heldout
 from gpudoor_pipelines.transit import bucket as storage
-from workloads.synthetic import COLORS, SHAPES, generate_image, image_id, is_heldout
 
 
 def test_file_storage_round_trip(tmp_path):

@@ -16,8 +16,8 @@ from typing import Any
 
 import pandas as pd
 
+from gpudoor_pipelines.data.synthetic import caption_text, generate_image, image_id
 from gpudoor_pipelines.transit import bucket as storage
-from workloads.synthetic import caption_text, generate_image, image_id
 
 ROOT = Path(__file__).resolve().parents[2]
 # Upper bound for any one wait: generous, because a loaded CI runner can be many times slower.

@@ -22,20 +22,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from gpudoor_pipelines.launch.backends.base import (
-    Backend,
-    Holding,
-    JobInfo,
-    JobState,
-    JobUsage,
-    LogFollower,
-    ReleaseCheck,
-    ResolvedJob,
-    Service,
-)
-from gpudoor_pipelines.launch.routing import Usage
-from gpudoor_pipelines.launch.rules import LABEL_USER
-from gpudoor_pipelines.launch.specs import gpus_per_node, parse_accelerators, parse_cpus
+from gpudoor_pipelines.launch.backends.base import Backend, LogFollower, Service
+from gpudoor_pipelines.launch.job import Holding, JobInfo, JobState, JobUsage, ReleaseCheck
+from gpudoor_pipelines.launch.labels import LABEL_USER
+from gpudoor_pipelines.launch.resolve.request import ResolvedJob
+from gpudoor_pipelines.launch.resolve.routing import Usage
+from gpudoor_pipelines.launch.resolve.specs import gpus_per_node, parse_accelerators, parse_cpus
 
 LOG_FILE = "run.log"
 STATE_FILE = "state.json"

@@ -15,7 +15,6 @@ import threading
 import time
 from pathlib import Path
 
-from gpudoor_pipelines.launch.backends.base import JobState
 from gpudoor_pipelines.launch.backends.local import (
     LOG_FILE,
     POOL_FILE,
@@ -31,7 +30,8 @@ from gpudoor_pipelines.launch.backends.local import (
     write_json,
     write_state,
 )
-from gpudoor_pipelines.launch.specs import parse_accelerators
+from gpudoor_pipelines.launch.job import JobState
+from gpudoor_pipelines.launch.resolve.specs import parse_accelerators
 
 
 def _pump(stream, log, lock: threading.Lock, prefix: str) -> None:

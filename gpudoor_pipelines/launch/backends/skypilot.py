@@ -21,21 +21,13 @@ from typing import Any
 
 from gpudoor_pipelines.launch import sky_env
 from gpudoor_pipelines.launch.backends import step_clusters
-from gpudoor_pipelines.launch.backends.base import (
-    Backend,
-    Holding,
-    JobInfo,
-    JobState,
-    JobUsage,
-    LogFollower,
-    ReleaseCheck,
-    ResolvedJob,
-    Service,
-)
+from gpudoor_pipelines.launch.backends.base import Backend, LogFollower, Service
 from gpudoor_pipelines.launch.errors import LaunchConfigError, PoolFull
-from gpudoor_pipelines.launch.routing import Route, Usage
-from gpudoor_pipelines.launch.rules import LABEL_POOL, LABEL_USER, STEP_CLUSTER_PREFIX
-from gpudoor_pipelines.launch.specs import gpus_per_node
+from gpudoor_pipelines.launch.job import Holding, JobInfo, JobState, JobUsage, ReleaseCheck
+from gpudoor_pipelines.launch.labels import LABEL_POOL, LABEL_USER, STEP_CLUSTER_PREFIX
+from gpudoor_pipelines.launch.resolve.request import ResolvedJob
+from gpudoor_pipelines.launch.resolve.routing import Route, Usage
+from gpudoor_pipelines.launch.resolve.specs import gpus_per_node
 
 _QUEUE_FIELDS = [
     "job_id", "job_name", "status", "infra", "cloud", "region", "zone", "recovery_count", "submitted_at", "start_at",
@@ -521,7 +513,7 @@ class SkyPilotBackend(Backend):
         launched resources, labels included). A cluster is never preempted and recovered: it ran all the
         time it was up."""
         sky = _sky()
-        from gpudoor_pipelines.launch.policy import INTERACTIVE_PREFIXES
+        from gpudoor_pipelines.launch.labels import INTERACTIVE_PREFIXES
         now = time.time()
         records = self._read(lambda: sky.cost_report(days=max(1, math.ceil((now - since) / 86400.0) + 1)))
         out = []
@@ -553,7 +545,7 @@ class SkyPilotBackend(Backend):
         every user's clusters (the ``lab-…``/``dev-…`` ones and the door's step clusters)."""
         import yaml
 
-        from gpudoor_pipelines.launch.policy import INTERACTIVE_PREFIXES
+        from gpudoor_pipelines.launch.labels import INTERACTIVE_PREFIXES
         sky = _sky()
         records, *_ = self._read(
             lambda: sky.jobs.queue_v2(refresh=False, skip_finished=True, all_users=True, fields=_HOLDING_FIELDS)
@@ -784,7 +776,7 @@ def pool_workers_held(records: Iterable[Mapping[str, Any]]) -> list[tuple[str, s
     (records as ``sky.jobs.pool_status`` gives them)."""
     import yaml
 
-    from gpudoor_pipelines.launch.specs import parse_accelerators
+    from gpudoor_pipelines.launch.resolve.specs import parse_accelerators
 
     out = []
     for record in records:

@@ -27,11 +27,12 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from gpudoor_pipelines.launch.backends.base import Holding, JobInfo, JobState, LogFollower, ResolvedJob
+from gpudoor_pipelines.launch.backends.base import LogFollower
 from gpudoor_pipelines.launch.errors import LaunchConfigError
-from gpudoor_pipelines.launch.request import slug
-from gpudoor_pipelines.launch.rules import LABEL_POOL, LABEL_USER, STEP_CLUSTER_PREFIX
-from gpudoor_pipelines.launch.specs import gpus_per_node
+from gpudoor_pipelines.launch.job import Holding, JobInfo, JobState
+from gpudoor_pipelines.launch.labels import LABEL_POOL, LABEL_USER, STEP_CLUSTER_PREFIX
+from gpudoor_pipelines.launch.resolve.request import ResolvedJob, slug
+from gpudoor_pipelines.launch.resolve.specs import gpus_per_node
 from gpudoor_pipelines.launch.watch import Backoff
 
 if TYPE_CHECKING:

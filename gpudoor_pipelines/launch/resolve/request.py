@@ -12,19 +12,60 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-from gpudoor_pipelines.launch.backends.base import ResolvedJob
 from gpudoor_pipelines.launch.errors import LaunchConfigError
-from gpudoor_pipelines.launch.fleet import PROJECT_ROOT, Fleet
-from gpudoor_pipelines.launch.routing import Usage, route
-from gpudoor_pipelines.launch.rules import (
-    LABEL_KEY_ENV,
-    Injected,
-    LaunchContext,
-    apply_rules,
-    deployment_name,
-)
-from gpudoor_pipelines.launch.specs import TaskSpec, task_infra
+from gpudoor_pipelines.launch.labels import LABEL_KEY_ENV
+from gpudoor_pipelines.launch.resolve.fleet import PROJECT_ROOT, Fleet
+from gpudoor_pipelines.launch.resolve.routing import Route, Usage, route
+from gpudoor_pipelines.launch.resolve.rules import Injected, LaunchContext, apply_rules, deployment_name
+from gpudoor_pipelines.launch.resolve.specs import TaskSpec, task_infra
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedJob:
+    """A job ready to launch: the task after routing and fleet rules.
+
+    Attributes:
+        name: job name (derived from the Dagster run, asset and partition).
+        config: the SkyPilot task YAML mapping, with ``envs``, ``secrets``, ``resources.infra``.
+        workdir: the folder the job runs in (holds ``workloads/``).
+        pool: the pool's name.
+        pool_env: the env the pool injected (cluster paths), so a local run can map them.
+        cluster_name: for services (demos): the cluster to launch on.
+        route: where routing sent the job and why.
+        labels: the job's labels.
+        notes: what the fleet rules did, in words.
+        secret_names: names of the secrets the job gets (values are in ``config``).
+        spec_path: the task spec it came from.
+        launch_as: ``managed`` (a managed job) or ``cluster`` (a cluster of its own, torn down when the job
+            ends), from the fleet's ``launch_as``; backends without the distinction ignore it.
+    """
+
+    name: str
+    config: dict[str, Any]
+    workdir: str
+    pool: str
+    pool_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    cluster_name: str | None = None
+    route: Route | None = None
+    labels: dict[str, str] = dataclasses.field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+    secret_names: tuple[str, ...] = ()
+    spec_path: str = ""
+    launch_as: str = "managed"
+
+    @property
+    def secrets(self) -> dict[str, str]:
+        """Credentials for the job (never logged)."""
+        s = self.config.get("secrets") or {}
+        return {k: str(v) for k, v in s.items()} if isinstance(s, dict) else {}
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes the job spans."""
+        return int(self.config.get("num_nodes") or 1)
+
 
 
 def slug(text: str, limit: int = 40) -> str:

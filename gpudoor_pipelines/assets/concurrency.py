@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from gpudoor_pipelines.launch.fleet import Fleet, load_fleet
-from gpudoor_pipelines.launch.specs import load_spec
+from gpudoor_pipelines.launch.resolve.fleet import Fleet, load_fleet
+from gpudoor_pipelines.launch.resolve.specs import load_spec
 
 #: The Dagster pool of each step kind's assets (the first GPU pool on its route).
 STEP_POOLS = {

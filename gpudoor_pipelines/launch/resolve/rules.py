@@ -3,7 +3,7 @@
 Each rule is a short function in the style of SkyPilot's example admin policies: it takes the task
 (a SkyPilot task YAML mapping, changed in place), the route and the launch context, and either sets
 what the fleet wants or raises :class:`PolicyRejection` saying what to change. The rules never
-choose a pool, a GPU or a size — :func:`gpudoor_pipelines.launch.routing.route` did that.
+choose a pool, a GPU or a size — :func:`gpudoor_pipelines.launch.resolve.routing.route` did that.
 
 Every rule *sets* values computed from the route and the context, so applying the rules to a task
 they already rewrote changes nothing: the client applies them for fast failure and ``gpudoor
@@ -23,35 +23,22 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from gpudoor_pipelines.launch.errors import LaunchConfigError, PolicyRejection
-from gpudoor_pipelines.launch.fleet import Fleet, label_value
-from gpudoor_pipelines.launch.routing import Route
+from gpudoor_pipelines.launch.labels import (
+    LABEL_COST_OWNER,
+    LABEL_INTERACTIVE,
+    LABEL_POOL,
+    LABEL_SIGNATURE,
+    LABEL_STEP,
+    LABEL_TTL,
+    LABEL_USER,
+    LABEL_VIA,
+    POOL_ENV,
+    PRIORITY_FIELD,
+    TRANSIT_SECRET_NAMES,
+)
+from gpudoor_pipelines.launch.resolve.fleet import Fleet, label_value
+from gpudoor_pipelines.launch.resolve.routing import Route
 
-LABEL_COST_OWNER = "gpudoor-cost-owner"
-LABEL_POOL = "gpudoor-pool"
-LABEL_USER = "gpudoor-user"
-LABEL_INTERACTIVE = "gpudoor-interactive"
-LABEL_STEP = "gpudoor-step"
-LABEL_ASSET = "dagster-asset"
-LABEL_RUN_ID = "dagster-run-id"
-LABEL_PARTITION = "dagster-partition"
-#: Which Dagster deployment launched the job (``GPUDOOR_DEPLOYMENT``): each deployment's reconciler
-#: judges only its own jobs, when several share one API server (production and staging).
-LABEL_DEPLOYMENT = "dagster-deployment"
-#: Set by the door's launcher: the launcher checked the task file itself and filled its inputs.
-LABEL_VIA = "gpudoor-via"
-#: An interactive cluster's own time to live, in hours (the fleet's ``reconciler`` section caps it).
-LABEL_TTL = "gpudoor-ttl-hours"
-#: A keyed digest of the job's ``dagster-*`` labels: whoever holds the deployment's key wrote them.
-LABEL_SIGNATURE = "gpudoor-signature"
-#: The launcher's (and the reconciler's) copy of the deployment's key for ``gpudoor-signature``.
-LABEL_KEY_ENV = "GPUDOOR_LABEL_KEY"
-#: The transit bucket's credentials, which the launcher (or the server) passes to every job as secrets.
-TRANSIT_SECRET_NAMES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
-POOL_ENV = "GPUDOOR_POOL"
-#: The clusters the launcher starts for steps launched as clusters (the fleet's ``launch_as``): torn down
-#: when their job ends, by the orphan reconciler once their run has ended, never kept for a time to live.
-STEP_CLUSTER_PREFIX = "gpudoor-step-"
-PRIORITY_FIELD = "config.kubernetes.pod_config.spec.priorityClassName"
 
 def _label_key(dagster_key: str) -> str:
     # Dagster's execution info is keyed `dagster/run-id`; labels keep one flat `dagster-run-id` form.

@@ -62,7 +62,7 @@ def _reachable(backend) -> None:
 
 
 def _job_info(info) -> dict[str, Any]:
-    from gpudoor_pipelines.launch.backends.base import FAILURE_MEANING
+    from gpudoor_pipelines.launch.job import FAILURE_MEANING
 
     out = {k: (v.value if hasattr(v, "value") else v) for k, v in dataclasses.asdict(info).items()}
     out["terminal"] = info.state.is_terminal
@@ -86,8 +86,8 @@ def launch(
         DoorError: refused before launch (nothing submitted), or the API server cannot be reached.
     """
     from gpudoor_pipelines.launch.client import submit_routed
-    from gpudoor_pipelines.launch.request import LaunchRequest, resolve
-    from gpudoor_pipelines.launch.specs import load_spec
+    from gpudoor_pipelines.launch.resolve.request import LaunchRequest, resolve
+    from gpudoor_pipelines.launch.resolve.specs import load_spec
 
     try:
         with _client() as resources:
@@ -215,7 +215,7 @@ def recent_jobs(days: float = 7.0) -> list[dict[str, Any]]:
     def read(backend):
         with _client() as resources:
             me = resources.skypilot.launching_user()
-        from gpudoor_pipelines.launch.fleet import label_value
+        from gpudoor_pipelines.launch.resolve.fleet import label_value
 
         now = time.time()
         since = now - days * 86400

@@ -7,8 +7,8 @@ import json
 import sys
 
 from gpudoor_pipelines.launch.client import PipesSkyPilotClient
-from gpudoor_pipelines.launch.request import LaunchRequest, resolve
-from gpudoor_pipelines.launch.specs import load_spec
+from gpudoor_pipelines.launch.resolve.request import LaunchRequest, resolve
+from gpudoor_pipelines.launch.resolve.specs import load_spec
 from gpudoor_pipelines.transit.resource import bucket_from_env
 
 

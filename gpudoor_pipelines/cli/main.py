@@ -32,10 +32,10 @@ def _cmd_flow(args: argparse.Namespace) -> int:
 
     import dagster as dg
 
-    from gpudoor_pipelines.concurrency import sync_pool_limits
+    from gpudoor_pipelines.assets.concurrency import sync_pool_limits
+    from gpudoor_pipelines.cli.flow import FlowFailed, run_flow
+    from gpudoor_pipelines.cli.progress import FlowProgress
     from gpudoor_pipelines.definitions import defs
-    from gpudoor_pipelines.flow import FlowFailed, run_flow
-    from gpudoor_pipelines.progress import FlowProgress
 
     home = _dagster_home()
     run_config = {"dataset_shards": {"num_images": args.images}} if args.images else None
@@ -70,7 +70,7 @@ def _dagster_home() -> Path:
     import shutil
 
     from gpudoor_pipelines.launch.backends.local import default_home
-    from gpudoor_pipelines.launch.fleet import PROJECT_ROOT
+    from gpudoor_pipelines.launch.resolve.fleet import PROJECT_ROOT
 
     home = Path(os.environ.get("DAGSTER_HOME") or default_home() / "dagster_home")
     home.mkdir(parents=True, exist_ok=True)
@@ -83,7 +83,7 @@ def _dagster_home() -> Path:
 def _cmd_pools(args: argparse.Namespace) -> int:
     import dagster as dg
 
-    from gpudoor_pipelines.concurrency import sync_pool_limits
+    from gpudoor_pipelines.assets.concurrency import sync_pool_limits
 
     home = _dagster_home()
     with dg.DagsterInstance.get() as instance:
@@ -96,7 +96,7 @@ def _cmd_pools(args: argparse.Namespace) -> int:
 def _cmd_where(args: argparse.Namespace) -> int:
     import json
 
-    from gpudoor_pipelines.explain import explain
+    from gpudoor_pipelines.cli.explain import explain
 
     try:
         print(explain(args.spec, step=args.step, pool=args.pool, infra=args.infra, cost_owner=args.cost_owner,
@@ -111,9 +111,9 @@ def _cmd_where(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from gpudoor_pipelines.launch.fleet import DEFAULT_SPECS_DIR, load_fleet
-    from gpudoor_pipelines.launch.routing import route
-    from gpudoor_pipelines.launch.specs import load_spec
+    from gpudoor_pipelines.launch.resolve.fleet import DEFAULT_SPECS_DIR, load_fleet
+    from gpudoor_pipelines.launch.resolve.routing import route
+    from gpudoor_pipelines.launch.resolve.specs import load_spec
 
     specs_dir = Path(args.specs_dir) if args.specs_dir else DEFAULT_SPECS_DIR
     fleet = load_fleet(specs_dir / "fleet.yaml")
@@ -126,7 +126,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_rules(args: argparse.Namespace) -> int:
-    from gpudoor_pipelines.rules_page import DEFAULT_RULES_PAGE, render_file
+    from gpudoor_pipelines.cli.rules_page import DEFAULT_RULES_PAGE, render_file
 
     out = Path(args.out) if args.out else DEFAULT_RULES_PAGE
     page = render_file(args.fleet)
@@ -153,7 +153,7 @@ def _door(args: argparse.Namespace, fn) -> int:
     """Runs an agent command; a refusal, an unreachable server or an unknown job is an answer, not a traceback."""
     import json
 
-    from gpudoor_pipelines.agent import DoorError
+    from gpudoor_pipelines.cli.agent import DoorError
 
     try:
         return fn()
@@ -170,7 +170,7 @@ def _door(args: argparse.Namespace, fn) -> int:
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
-    from gpudoor_pipelines import agent
+    from gpudoor_pipelines.cli import agent
 
     def run() -> int:
         env = dict(item.split("=", 1) for item in args.env or [])
@@ -188,7 +188,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 def _follow(args: argparse.Namespace, job_id: str) -> int:
     import json
 
-    from gpudoor_pipelines import agent
+    from gpudoor_pipelines.cli import agent
 
     for line in agent.logs(job_id, follow=True):
         print(json.dumps({"job_id": job_id, "line": line}) if args.json else line, flush=True)
@@ -201,7 +201,7 @@ def _follow(args: argparse.Namespace, job_id: str) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from gpudoor_pipelines import agent
+    from gpudoor_pipelines.cli import agent
 
     def run() -> int:
         if args.job:
@@ -216,7 +216,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_logs(args: argparse.Namespace) -> int:
-    from gpudoor_pipelines import agent
+    from gpudoor_pipelines.cli import agent
 
     def run() -> int:
         if args.follow:
@@ -228,7 +228,7 @@ def _cmd_logs(args: argparse.Namespace) -> int:
 
 
 def _cmd_cancel(args: argparse.Namespace) -> int:
-    from gpudoor_pipelines import agent
+    from gpudoor_pipelines.cli import agent
 
     def run() -> int:
         info = agent.cancel(args.job, wait_s=args.wait)

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from gpudoor_pipelines.launch.errors import LaunchConfigError
-from gpudoor_pipelines.launch.fleet import DEFAULT_SPECS_DIR, Fleet
+from gpudoor_pipelines.launch.resolve.fleet import DEFAULT_SPECS_DIR, Fleet
 
 # Top-level fields of a SkyPilot task (sky/utils/schemas.py:get_task_schema, 0.14.1).
 SKYPILOT_TASK_FIELDS = frozenset(
@@ -462,7 +462,7 @@ def load_spec(
         kind: the spec's kind (names its jobs); defaults to the file's stem. Routing never reads it.
         skypilot: also parse it with SkyPilot's own ``sky.Task`` (imports ``sky``); launches do.
         strict: raise the file's own problems now; otherwise they travel in ``TaskSpec.problems``
-            so that :func:`~gpudoor_pipelines.launch.request.resolve` reports them with every other.
+            so that :func:`~gpudoor_pipelines.launch.resolve.request.resolve` reports them with every other.
 
     Raises:
         LaunchConfigError: the file is missing or invalid.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 
-from gpudoor_pipelines.launch.fleet import Pool, normalize_infra
+from gpudoor_pipelines.launch.resolve.fleet import Pool, normalize_infra
 
 #: Needed by every job that spans several nodes.
 MULTI_NODE = "multi-node"

@@ -21,22 +21,22 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
-from gpudoor_pipelines.launch.backends.base import Holding
-from gpudoor_pipelines.launch.fleet import ReconcilerPolicy
-from gpudoor_pipelines.launch.request import slug
-from gpudoor_pipelines.launch.rules import (
+from gpudoor_pipelines.launch.job import Holding
+from gpudoor_pipelines.launch.labels import (
     LABEL_DEPLOYMENT,
     LABEL_POOL,
     LABEL_RUN_ID,
     LABEL_TTL,
     STEP_CLUSTER_PREFIX,
-    identity_verified,
+    TAG_JOB_PREFIX,
 )
+from gpudoor_pipelines.launch.resolve.fleet import ReconcilerPolicy
+from gpudoor_pipelines.launch.resolve.request import slug
+from gpudoor_pipelines.launch.resolve.rules import identity_verified
 
 #: Dagster run statuses after which a run launches nothing and waits for nothing.
 ENDED_RUN_STATUSES = frozenset({"SUCCESS", "FAILURE", "CANCELED"})
 #: The run tag prefix under which a step records the job it launched (``<backend>:<job id>``).
-JOB_TAG_PREFIX = "gpudoor/job-"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +57,7 @@ class RunFacts:
     def from_tags(cls, status: str, ended_at: float | None, tags: Mapping[str, str]) -> RunFacts:
         """The facts of a run from its status, end and tags."""
         ids = frozenset(
-            v.rsplit(":", 1)[-1] for k, v in tags.items() if k.startswith(JOB_TAG_PREFIX) and ":" in v
+            v.rsplit(":", 1)[-1] for k, v in tags.items() if k.startswith(TAG_JOB_PREFIX) and ":" in v
         )
         return cls(status=status, ended_at=ended_at, job_ids=ids)
 

@@ -519,7 +519,7 @@ def _shard_number(dataset: str, shard: str) -> int:
 
 
 def write_synthetic(bucket: TransitBucket, dataset: str, num_images: int, image_size: int) -> str:
-    """Write the synthetic sample (``workloads.synthetic``) into the bucket and return its folder's URI,
+    """Write the synthetic sample (``gpudoor_pipelines.data.synthetic``) into the bucket and return its folder's URI,
     a source for :func:`list_images`: what the project's first command captions, anywhere.
 
     Only the images not already there are drawn and written, so calling it again costs one listing.
@@ -530,7 +530,7 @@ def write_synthetic(bucket: TransitBucket, dataset: str, num_images: int, image_
         num_images: images 0 to ``num_images - 1``.
         image_size: their width and height in pixels (images already written keep theirs).
     """
-    from workloads.synthetic import generate_image, image_id
+    from gpudoor_pipelines.data.synthetic import generate_image, image_id
 
     if num_images < 1:
         raise ValueError(f"num_images={num_images}. Fix: ask for at least 1 image")

@@ -26,7 +26,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from gpudoor_pipelines.launch.backends.base import JobInfo, JobState
+from gpudoor_pipelines.launch.job import JobInfo, JobState
 
 #: The key of a Pipes custom message's save time (see ``workloads.reporting.saved``).
 DURABLE_AT = "durable_at"

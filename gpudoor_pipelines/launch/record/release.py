@@ -14,7 +14,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gpudoor_pipelines.launch.backends.base import Backend, Holding, ReleaseCheck
+from gpudoor_pipelines.launch.backends.base import Backend
+from gpudoor_pipelines.launch.job import Holding, ReleaseCheck
 
 
 @dataclasses.dataclass(frozen=True)

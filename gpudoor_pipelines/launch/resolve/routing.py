@@ -15,8 +15,8 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 
 from gpudoor_pipelines.launch.errors import LaunchConfigError
-from gpudoor_pipelines.launch.fleet import Fleet, Pool, did_you_mean, label_value
-from gpudoor_pipelines.launch.specs import Candidate, TaskSpec
+from gpudoor_pipelines.launch.resolve.fleet import Fleet, Pool, did_you_mean, label_value
+from gpudoor_pipelines.launch.resolve.specs import Candidate, TaskSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +110,7 @@ class _Misfit:
 
 def _fit(spec: TaskSpec, cand: Candidate, pool: Pool, fleet: Fleet, user: str, usage: Usage) -> tuple[str | None, int] | _Misfit:
     """The GPU (or None for CPU-only) and per-node count ``cand`` gets on ``pool``, or why it does not fit."""
-    from gpudoor_pipelines.launch.features import MULTI_NODE, unsupported
+    from gpudoor_pipelines.launch.resolve.features import MULTI_NODE, unsupported
 
     nodes = spec.num_nodes
     multi_node = _Misfit("num_nodes", f"{nodes} nodes on pool '{pool.name}', which has no multi-node interconnect", "use num_nodes: 1 or a multi-node pool")

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from gpudoor_pipelines.launch.errors import LaunchConfigError
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PROJECT_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_SPECS_DIR = PROJECT_ROOT / "task_specs"
 DEFAULT_FLEET_FILE = DEFAULT_SPECS_DIR / "fleet.yaml"
 

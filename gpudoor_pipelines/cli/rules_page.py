@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from gpudoor_pipelines.launch.fleet import PROJECT_ROOT, Fleet, Pool, load_fleet
+from gpudoor_pipelines.launch.resolve.fleet import PROJECT_ROOT, Fleet, Pool, load_fleet
 
 #: Where ``gpudoor rules`` writes the page.
 DEFAULT_RULES_PAGE = PROJECT_ROOT / "docs" / "rules.md"
@@ -60,7 +60,7 @@ def _usd(value: float) -> str:
 
 def _missing_needs(pool: Pool) -> dict[str, str]:
     """What ``pool`` cannot provide among :data:`NEEDS`, with the reason (SkyPilot's table, the pool's interconnect)."""
-    from gpudoor_pipelines.launch.features import MULTI_NODE, unsupported
+    from gpudoor_pipelines.launch.resolve.features import MULTI_NODE, unsupported
 
     missing = unsupported(pool, frozenset(name for name, _ in NEEDS))
     if not pool.multi_node:
@@ -167,8 +167,7 @@ def _routes(fleet: Fleet) -> list[str]:
 
 
 def _injected(fleet: Fleet) -> list[str]:
-    from gpudoor_pipelines.launch.policy import SECRET_ENV_VARS, TRANSIT_ENV_VARS
-    from gpudoor_pipelines.launch.rules import (
+    from gpudoor_pipelines.launch.labels import (
         LABEL_ASSET,
         LABEL_COST_OWNER,
         LABEL_INTERACTIVE,
@@ -180,6 +179,7 @@ def _injected(fleet: Fleet) -> list[str]:
         LABEL_VIA,
         POOL_ENV,
     )
+    from gpudoor_pipelines.launch.server.policy import SECRET_ENV_VARS, TRANSIT_ENV_VARS
 
     out = ["## Injected into every job", ""]
     out += [
@@ -239,8 +239,7 @@ def _injected(fleet: Fleet) -> list[str]:
 
 
 def _priorities_autostop(fleet: Fleet) -> list[str]:
-    from gpudoor_pipelines.launch.policy import INTERACTIVE_PREFIXES
-    from gpudoor_pipelines.launch.rules import LABEL_TTL, PRIORITY_FIELD
+    from gpudoor_pipelines.launch.labels import INTERACTIVE_PREFIXES, LABEL_TTL, PRIORITY_FIELD
 
     out = ["## Priorities", ""]
     forced = [p for p in fleet.pools.values() if p.priority_class]
@@ -300,8 +299,12 @@ def _cost_owners(fleet: Fleet) -> list[str]:
 
 
 def _refusals(fleet: Fleet, source: str) -> list[str]:
-    from gpudoor_pipelines.launch.rules import LABEL_COST_OWNER, PRIORITY_FIELD, TRANSIT_SECRET_NAMES
-    from gpudoor_pipelines.launch.specs import _FORBIDDEN_TOP, CREDENTIAL_NAME_PARTS, SKYPILOT_TASK_FIELDS
+    from gpudoor_pipelines.launch.labels import LABEL_COST_OWNER, PRIORITY_FIELD, TRANSIT_SECRET_NAMES
+    from gpudoor_pipelines.launch.resolve.specs import (
+        _FORBIDDEN_TOP,
+        CREDENTIAL_NAME_PARTS,
+        SKYPILOT_TASK_FIELDS,
+    )
 
     owners = list(fleet.cost_owners)
     may_ask = sorted({*fleet.secrets, *TRANSIT_SECRET_NAMES})

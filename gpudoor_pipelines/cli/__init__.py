@@ -1,0 +1,1 @@
+"""``gpudoor``: the command-line front ends (``main``), for people and coding agents."""

@@ -1,0 +1,1 @@
+"""What only the team's SkyPilot API server runs: the fleet's admin policy."""
