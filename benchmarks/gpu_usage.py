@@ -68,6 +68,7 @@ def _records(n: int, week_start: float) -> tuple[list, float]:
 
 def _measure(n: int, repeat: int) -> dict:
     from gpudoor_pipelines.assets.usage import WEEKS, chart_png, usage_metadata, usage_table
+    from gpudoor_pipelines.launch.backends import sky_sdk
     from gpudoor_pipelines.launch.backends import skypilot as skypilot_backend
     from gpudoor_pipelines.launch.resolve.fleet import load_fleet
 
@@ -81,7 +82,7 @@ def _measure(n: int, repeat: int) -> dict:
         jobs=types.SimpleNamespace(queue_v2=lambda **_: (records, len(records), {}, len(records))),
         cost_report=lambda days=None: [],
     )
-    skypilot_backend._sky = lambda: fake  # the SDK's answer, prepared
+    sky_sdk.sky = lambda: fake  # the SDK's answer, prepared
     backend = skypilot_backend.SkyPilotBackend("http://127.0.0.1:1")
     best = float("inf")
     for _ in range(repeat):

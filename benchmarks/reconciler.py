@@ -93,7 +93,7 @@ def _measure(n: int, repeat: int) -> dict:
     import yaml
 
     from gpudoor_pipelines.automation.reconciler import orphan_reconciler
-    from gpudoor_pipelines.launch.backends import skypilot as skypilot_backend
+    from gpudoor_pipelines.launch.backends import sky_sdk
     from gpudoor_pipelines.launch.client import PipesSkyPilotClient
     from gpudoor_pipelines.launch.resolve.fleet import DEFAULT_FLEET_FILE
     from gpudoor_pipelines.transit.resource import TransitBucketResource
@@ -103,7 +103,7 @@ def _measure(n: int, repeat: int) -> dict:
     with tempfile.TemporaryDirectory() as home:
         instance, run_ids, failed = _instance_with_runs(-(-n // JOBS_PER_RUN), home)
         fake, requests = _fake_sdk(n, run_ids, key)
-        skypilot_backend._sky = lambda: fake
+        sky_sdk.sky = lambda: fake
         fleet = {**yaml.safe_load(DEFAULT_FLEET_FILE.read_text()), "reconciler": {"grace_minutes": 0}}  # the runs failed just now
         fleet_file = Path(home) / "fleet.yaml"
         fleet_file.write_text(yaml.safe_dump(fleet))

@@ -92,13 +92,14 @@ def _quiet():
 
 def _run(case: str, steps: int, job_seconds: float, stagger: float) -> dict:
     from gpudoor_pipelines.launch import watch
+    from gpudoor_pipelines.launch.backends import sky_sdk
     from gpudoor_pipelines.launch.backends import skypilot as skypilot_backend
     from gpudoor_pipelines.launch.client import PipesSkyPilotClient, _Redactor
     from gpudoor_pipelines.launch.job import JobState
     from gpudoor_pipelines.transit.resource import TransitBucketResource
 
     fake = TimedSky(job_seconds)
-    skypilot_backend._sky = lambda: fake
+    sky_sdk.sky = lambda: fake
     skypilot_backend._USAGE_CACHE.clear()
     watch._HUBS.clear()
     client = PipesSkyPilotClient(backend="skypilot", api_server_endpoint="http://127.0.0.1:1",

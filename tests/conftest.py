@@ -47,11 +47,11 @@ def _forget_process_state() -> None:
 @pytest.fixture
 def fake_sky(monkeypatch):
     """The SkyPilot backend talking to the fake SDK of tests/launch/fake_sky.py (no API server)."""
-    from gpudoor_pipelines.launch.backends import skypilot as skypilot_backend
+    from gpudoor_pipelines.launch.backends import sky_sdk
     from tests.launch.fake_sky import FakeSky
 
     fake = FakeSky("http://127.0.0.1:1")
-    monkeypatch.setattr(skypilot_backend, "_sky", lambda: fake)
+    monkeypatch.setattr(sky_sdk, "sky", lambda: fake)
     return fake
 
 

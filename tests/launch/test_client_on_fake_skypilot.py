@@ -14,7 +14,7 @@ import dagster as dg
 import pytest
 import yaml
 
-from gpudoor_pipelines.launch.backends import skypilot as skypilot_backend
+from gpudoor_pipelines.launch.backends import sky_sdk
 from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
 from gpudoor_pipelines.transit.resource import TransitBucketResource
 from tests.conftest import SPECS_DIR
@@ -37,7 +37,7 @@ def fake_sky(monkeypatch):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     fake = FakeSky(f"http://127.0.0.1:{server.server_address[1]}")
-    monkeypatch.setattr(skypilot_backend, "_sky", lambda: fake)
+    monkeypatch.setattr(sky_sdk, "sky", lambda: fake)
     yield fake
     server.shutdown()
     server.server_close()

@@ -14,7 +14,8 @@ import dagster as dg
 import pytest
 import yaml
 
-from gpudoor_pipelines.launch.backends.step_clusters import MAX_RELAUNCHES, clusters_held
+from gpudoor_pipelines.launch.backends.sky_records import clusters_held
+from gpudoor_pipelines.launch.backends.step_clusters import MAX_RELAUNCHES
 from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
 from gpudoor_pipelines.launch.errors import LaunchConfigError
 from gpudoor_pipelines.launch.resolve.fleet import load_fleet

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from gpudoor_pipelines.launch.backends import sky_sdk
 from gpudoor_pipelines.launch.backends import skypilot as skypilot_backend
 from gpudoor_pipelines.launch.client import PipesSkyPilotClient, _Redactor
 from gpudoor_pipelines.launch.watch import Backoff, status_hub
@@ -86,7 +87,7 @@ def test_an_unknown_job_is_an_error_not_a_wait(tmp_path):
 
 def test_the_team_usage_is_read_once_for_launches_close_together_and_again_after_a_submit(monkeypatch):
     fake = FakeSky("http://127.0.0.1:1")
-    monkeypatch.setattr(skypilot_backend, "_sky", lambda: fake)
+    monkeypatch.setattr(sky_sdk, "sky", lambda: fake)
     fake.add_job(1, Status.RUNNING, {"gpudoor-pool": "onprem", "gpudoor-user": "ana"})
     backend = skypilot_backend.SkyPilotBackend(fake.endpoint)
     first = [skypilot_backend.SkyPilotBackend(fake.endpoint).usage() for _ in range(20)]

@@ -53,8 +53,8 @@ class Service(abc.ABC):
         """The URL the service answers on, once it does."""
 
 
-class Backend(abc.ABC):
-    """Runs resolved jobs somewhere. Implementations know nothing of Dagster."""
+class Jobs(abc.ABC):
+    """Submits jobs and watches them: their states, their logs, their cancel."""
 
     name: str = "backend"
     #: Status requests cost a round trip to a shared server: watchers back off while nothing changes.
@@ -66,32 +66,11 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def submit(self, job: ResolvedJob) -> str:
-        """Launches the job as a managed job; returns its id."""
+        """Launches the job (a managed job, or what the fleet's ``launch_as`` says); returns its id."""
 
     @abc.abstractmethod
     def status(self, job_id: str) -> JobInfo:
         """The job's current state (``KeyError`` when the backend has no such job)."""
-
-    @abc.abstractmethod
-    def follow_logs(self, job_id: str) -> LogFollower:
-        """A follower of the job's log from the start."""
-
-    @abc.abstractmethod
-    def log_tail(self, job_id: str, lines: int = 30) -> list[str]:
-        """The last lines of the job's log."""
-
-    def holding_of(self, job_id: str) -> Holding:
-        """What a job of this backend holds, to release and check (its job; a backend may say its cluster)."""
-        return Holding("job", job_id)
-
-    def finish(self, job_id: str) -> str | None:
-        """Called once a job has ended and its log tail was read: gives back what the job's end does not
-        (a step cluster); returns what it did, in words, or None."""
-        return None
-
-    @abc.abstractmethod
-    def cancel(self, job_id: str) -> None:
-        """Asks for the job to be cancelled (returns at once)."""
 
     def statuses(self, job_ids: Sequence[str]) -> dict[str, JobInfo]:
         """The states of many jobs, in one request where the backend can (jobs it has no record of are left out)."""
@@ -102,6 +81,31 @@ class Backend(abc.ABC):
             except KeyError:
                 continue
         return out
+
+    @abc.abstractmethod
+    def follow_logs(self, job_id: str) -> LogFollower:
+        """A follower of the job's log from the start."""
+
+    @abc.abstractmethod
+    def log_tail(self, job_id: str, lines: int = 30) -> list[str]:
+        """The last lines of the job's log."""
+
+    @abc.abstractmethod
+    def cancel(self, job_id: str) -> None:
+        """Asks for the job to be cancelled (returns at once)."""
+
+    def holding_of(self, job_id: str) -> Holding:
+        """What a job of this backend holds, to release and check (its job; a backend may say its cluster)."""
+        return Holding("job", job_id)
+
+    def finish(self, job_id: str) -> str | None:
+        """Called once a job has ended and its log tail was read: gives back what the job's end does not
+        (a step cluster); returns what it did, in words, or None."""
+        return None
+
+
+class WarmPools(abc.ABC):
+    """Runs the ranks of a batch on a pool of warm workers (setup once per worker)."""
 
     @abc.abstractmethod
     def submit_batch(self, job: ResolvedJob, num_jobs: int, *, pool_name: str, workers: int) -> list[str]:
@@ -120,13 +124,9 @@ class Backend(abc.ABC):
     def release_pool(self, pool_name: str) -> None:
         """Gives a pool's workers back (their GPUs stop being held); its queued jobs are cancelled."""
 
-    @abc.abstractmethod
-    def usage(self) -> Usage:
-        """GPUs (and CPU-only jobs' vCPUs) held by jobs that have not ended, per pool and per user."""
 
-    def free_gpus(self, route: Route) -> int | None:
-        """GPUs of the route's type the route's cluster reports free right now; None where it cannot tell."""
-        return None
+class Services(abc.ABC):
+    """Long-running services (demos) on clusters of their own."""
 
     @abc.abstractmethod
     def start_service(self, job: ResolvedJob) -> Service:
@@ -136,6 +136,21 @@ class Backend(abc.ABC):
     def stop_service(self, cluster_name: str) -> bool:
         """Tears a service's cluster down; True if one was running."""
 
+
+class Inventory(abc.ABC):
+    """What is held and what was: for caps, the weekly usage and the orphan reconciler; and its release."""
+
+    def check(self) -> None:  # noqa: B027 - optional hook
+        """Raises a clear error when the backend cannot be reached (before anything is submitted)."""
+
+    @abc.abstractmethod
+    def usage(self) -> Usage:
+        """GPUs (and CPU-only jobs' vCPUs) held by jobs that have not ended, per pool and per user."""
+
+    def free_gpus(self, route: Route) -> int | None:
+        """GPUs of the route's type the route's cluster reports free right now; None where it cannot tell."""
+        return None
+
     def job_history(self, since: float, until: float, *, submitted_after: float | None = None) -> list[JobUsage]:
         """Every job of the team's pools that held GPUs at some point between ``since`` and ``until`` (UNIX
         seconds), whoever launched it and however (Dagster runs, demos, ad-hoc launches).
@@ -143,19 +158,31 @@ class Backend(abc.ABC):
         With ``submitted_after`` (a listing of recent jobs rather than usage): only the jobs submitted
         after it, asked of the backend as such, and those that have not started yet too.
         """
-        raise NotImplementedError(f"the {self.name} backend keeps no job history")
+        raise NotImplementedError(f"the {getattr(self, 'name', 'backend')} backend keeps no job history")
 
-    def check(self) -> None:  # noqa: B027 - optional hook
-        """Raises a clear error when the backend cannot be reached (before anything is submitted)."""
-    # ----------------------------------------------------------------- what is held, and its release
     def holdings(self) -> list[Holding]:
         """Every unfinished job, warm pool and interactive cluster the backend can see, with its labels
         (the orphan reconciler's view: one listing per kind, whatever their number)."""
-        raise NotImplementedError(f"the {self.name} backend cannot list what it holds")
+        raise NotImplementedError(f"the {getattr(self, 'name', 'backend')} backend cannot list what it holds")
+
+    @abc.abstractmethod
+    def release_all(self, holdings: Sequence[Holding]) -> dict[str, str]:
+        """Asks for every holding to be released (a job cancelled, a pool's workers released, a cluster torn
+        down); returns the errors by holding key. Returns once asked: :meth:`check_released_all` says when
+        it is done."""
+
+    @abc.abstractmethod
+    def check_released_all(self, holdings: Sequence[Holding]) -> dict[str, ReleaseCheck]:
+        """One look at whether each holding still holds anything, by key (an unreadable state is not a
+        confirmation)."""
+
+
+class Backend(Jobs, WarmPools, Services, Inventory):
+    """Jobs, warm pools, services and inventory of one place jobs run (this machine, or the team's SkyPilot
+    API server). Implementations know nothing of Dagster."""
 
     def release(self, holding: Holding) -> None:
-        """Asks for a holding to be given back: a job cancelled, a pool's workers released, a cluster torn
-        down (returns once asked; :meth:`check_released` says when it is done)."""
+        """Asks for one holding to be given back (see :meth:`release_all`)."""
         if holding.kind == "job":
             self.cancel(holding.id)
         elif holding.kind == "pool":
@@ -166,8 +193,8 @@ class Backend(abc.ABC):
             raise ValueError(f"unknown holding kind '{holding.kind}'")
 
     def release_all(self, holdings: Sequence[Holding]) -> dict[str, str]:
-        """Asks for every holding to be released (:meth:`release`); returns the errors by holding key. A
-        backend whose server takes many at once asks in one request."""
+        """Releases the holdings one by one (:meth:`release`); a backend whose server takes many at once
+        asks in one request."""
         errors = {}
         for h in holdings:
             try:
@@ -177,8 +204,8 @@ class Backend(abc.ABC):
         return errors
 
     def check_released_all(self, holdings: Sequence[Holding]) -> dict[str, ReleaseCheck]:
-        """:meth:`check_released` of every holding, by key (one look at each; a backend whose server answers
-        for many at once asks in one request)."""
+        """:meth:`check_released` of every holding (a backend whose server answers for many at once asks in
+        one request)."""
         out = {}
         for h in holdings:
             try:
@@ -199,4 +226,3 @@ class Backend(abc.ABC):
             workers = self.pool_workers(holding.id)
             return ReleaseCheck(workers == 0, (f"pool {holding.id}: {workers} workers",))
         raise NotImplementedError(f"the {self.name} backend cannot check a {holding.kind}")
-

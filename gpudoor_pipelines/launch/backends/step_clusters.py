@@ -19,24 +19,21 @@ A job id is ``<cluster>/<job id on the cluster>``; a managed job's id is a numbe
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+from gpudoor_pipelines.launch.backends import sky_sdk
 from gpudoor_pipelines.launch.backends.base import LogFollower
+from gpudoor_pipelines.launch.backends.strategies import JobStrategy, register
 from gpudoor_pipelines.launch.errors import LaunchConfigError
 from gpudoor_pipelines.launch.job import Holding, JobInfo, JobState
-from gpudoor_pipelines.launch.labels import LABEL_POOL, LABEL_USER, STEP_CLUSTER_PREFIX
+from gpudoor_pipelines.launch.labels import STEP_CLUSTER_PREFIX
 from gpudoor_pipelines.launch.resolve.request import ResolvedJob, slug
-from gpudoor_pipelines.launch.resolve.specs import gpus_per_node
 from gpudoor_pipelines.launch.watch import Backoff
-
-if TYPE_CHECKING:
-    from gpudoor_pipelines.launch.backends.skypilot import SkyPilotBackend
 
 #: Relaunches after preemptions, per step (SkyPilot's own FAILOVER recovers a managed job without limit;
 #: a short step preempted three times is better reported than retried on).
@@ -50,11 +47,6 @@ _LOOK_AGAIN_FIRST_S, _LOOK_AGAIN_MOST_S = 1.0, 30.0
 MAX_LOOK_ERRORS = 10
 _STEPS: dict[str, _Step] = {}
 _LOCK = threading.Lock()
-
-
-def is_step_cluster_job(job_id: str) -> bool:
-    """A job launched as a cluster of its own (``<cluster>/<id>``), not a managed job."""
-    return "/" in str(job_id)
 
 
 def cluster_of(job_id: str) -> str:
@@ -131,30 +123,28 @@ class _Step:
                        detail=self.detail, ran_s=self.ran_s(), recovered_at=self.recovered_at)  # fmt: skip
 
 
-def launch(backend: SkyPilotBackend, job: ResolvedJob) -> str:
+def launch(job: ResolvedJob) -> str:
     """``sky.launch`` of the job on a new step cluster (returns once the job is submitted on it).
 
     A launch that fails part-way (no resources, interrupted) has its cluster torn down before the error
     goes on: nothing half-provisioned stays up.
     """
-    from gpudoor_pipelines.launch.backends.skypilot import _refusals, _sky
-
-    sky = _sky()
-    cluster, task, asked = cluster_name(job.name), backend.build_task(job), time.time()
+    sky = sky_sdk.sky()
+    cluster, task, asked = cluster_name(job.name), sky_sdk.build_task(job), time.time()
     request_id = None
     try:
-        with _refusals(job):
+        with sky_sdk.refusals(job):
             # Like a managed job, it waits for the pool's GPUs to be free (SkyPilot retries the launch).
             request_id = sky.launch(task, cluster_name=cluster, retry_until_up=True)
             sky_job_id, _ = sky.get(request_id)
     except LaunchConfigError as e:
         if e.field == "resources":  # SkyPilot could not place it: it may have started provisioning
-            _down_quietly(cluster)
+            sky_sdk.down(cluster)
         raise
     except BaseException:  # interrupted (the run cancelled) or failed part-way: the server stops trying
         if request_id is not None:
-            _cancel_request(request_id)
-        _down_quietly(cluster)
+            sky_sdk.cancel_request(request_id)
+        sky_sdk.down(cluster)
         raise
     job_id = f"{cluster}/{sky_job_id}"
     with _LOCK:
@@ -162,15 +152,15 @@ def launch(backend: SkyPilotBackend, job: ResolvedJob) -> str:
     return job_id
 
 
-def infos(backend: SkyPilotBackend, job_ids: Sequence[str]) -> dict[str, JobInfo]:
+def infos(job_ids: Sequence[str]) -> dict[str, JobInfo]:
     """The jobs' states: what this process decided, else one ``sky.status`` of every undecided cluster."""
     steps = {}
     for job_id in job_ids:
-        step = _known(job_id) or _adopt(backend, job_id)
+        step = _known(job_id) or _adopt(job_id)
         if step is not None:
             steps[job_id] = step
     undecided = [s.cluster for s in steps.values() if s.state is None and not s.relaunching]
-    listed = backend._clusters(undecided) if undecided else {}
+    listed = sky_sdk.clusters(undecided) if undecided else {}
     return {job_id: step.info(job_id, listed) for job_id, step in steps.items()}
 
 
@@ -179,11 +169,11 @@ def _known(job_id: str) -> _Step | None:
         return _STEPS.get(job_id)
 
 
-def _adopt(backend: SkyPilotBackend, job_id: str) -> _Step | None:
+def _adopt(job_id: str) -> _Step | None:
     """A job another process launched (a retried run re-attaching): its state from the server; None when
     its cluster is gone."""
     cluster, sky_job_id = cluster_of(job_id), sky_job_of(job_id)
-    if cluster not in backend._clusters([cluster]):
+    if cluster not in sky_sdk.clusters([cluster]):
         return None
     step = _Step(cluster, sky_job_id, None, time.time())
     state = _job_state(cluster, sky_job_id)
@@ -195,37 +185,25 @@ def _adopt(backend: SkyPilotBackend, job_id: str) -> _Step | None:
 
 def _job_state(cluster: str, sky_job_id: int) -> JobState | None:
     """``sky.job_status`` of the job on its cluster, as a JobState (None when the cluster has no such job)."""
-    from gpudoor_pipelines.launch.backends.skypilot import _sky
-
-    sky = _sky()
-    status = sky.get(sky.job_status(cluster, job_ids=[sky_job_id])).get(sky_job_id)
-    if status is None:
-        return None
-    name = str(getattr(status, "value", status))
-    if name in ("SUCCEEDED", "CANCELLED", "FAILED_SETUP"):
-        return JobState(name)
-    if "FAIL" in name:
-        return JobState.FAILED
-    return JobState.PENDING if name in ("INIT", "PENDING", "SETTING_UP") else JobState.RUNNING
+    sky = sky_sdk.sky()
+    return sky_sdk.cluster_job_state(sky.get(sky.job_status(cluster, job_ids=[sky_job_id])).get(sky_job_id))
 
 
-def follow(backend: SkyPilotBackend, job_id: str) -> LogFollower:
+def follow(job_id: str) -> LogFollower:
     """Follows the job's log in a thread, and decides how it ended (relaunching a preempted one)."""
-    from gpudoor_pipelines.launch.backends.skypilot import _ThreadFollower
-
-    step = _known(job_id) or _adopt(backend, job_id)
+    step = _known(job_id) or _adopt(job_id)
     if step is None:
-        raise KeyError(f"no step cluster {cluster_of(job_id)} on {backend.endpoint}")
-    return _ThreadFollower(lambda out: _follow(backend, step, out))
+        raise KeyError(f"no step cluster {cluster_of(job_id)}")
+    return sky_sdk.ThreadFollower(lambda out: _follow(step, out))
 
 
-def _follow(backend: SkyPilotBackend, step: _Step, out) -> None:
+def _follow(step: _Step, out) -> None:
     """Follows the job's log until its end is decided. It never ends undecided: the step waits on it."""
     errors, looks = 0, Backoff(_LOOK_AGAIN_FIRST_S, _LOOK_AGAIN_MOST_S)
     try:
         while step.state is None:
             try:
-                _follow_once(backend, step, out)
+                _follow_once(step, out)
                 errors = 0
                 looks.reset()
             except Exception as e:  # noqa: BLE001 - the API server or the cluster did not answer: look again
@@ -243,11 +221,9 @@ def _follow(backend: SkyPilotBackend, step: _Step, out) -> None:
         step.decide(JobState.FAILED, f"stopped following cluster {step.cluster}")  # no-op once decided
 
 
-def _follow_once(backend: SkyPilotBackend, step: _Step, out) -> None:
+def _follow_once(step: _Step, out) -> None:
     """One log stream of the job, to its end; then what that end meant (decided, or followed again)."""
-    from gpudoor_pipelines.launch.backends.skypilot import _sky
-
-    sky = _sky()
+    sky = sky_sdk.sky()
     try:
         code = sky.tail_logs(step.cluster, step.sky_job_id, follow=True, output_stream=out)
     except Exception as e:  # noqa: BLE001 - the cluster decides below what the end of the stream meant
@@ -259,7 +235,7 @@ def _follow_once(backend: SkyPilotBackend, step: _Step, out) -> None:
         step.decide(JobState.SUCCEEDED)
     elif code == _EXIT_CANCELLED:
         step.decide(JobState.CANCELLED, f"cancelled on its cluster {step.cluster}")
-    elif _cluster_up(backend, step.cluster):
+    elif _cluster_up(step.cluster):
         state = _job_state(step.cluster, step.sky_job_id)
         if state is None or state.is_terminal:
             step.decide(state or JobState.FAILED, "" if state else f"cluster {step.cluster} has no job {step.sky_job_id}")
@@ -269,42 +245,38 @@ def _follow_once(backend: SkyPilotBackend, step: _Step, out) -> None:
         _relaunch(step, out)
 
 
-def _cluster_up(backend: SkyPilotBackend, cluster: str) -> bool:
+def _cluster_up(cluster: str) -> bool:
     """Whether the cluster is UP, asking its infra (``refresh``): a preempted allocation shows here first."""
-    from gpudoor_pipelines.launch.backends.skypilot import _sky
-
-    sky = _sky()
+    sky = sky_sdk.sky()
     from sky.utils import common
 
-    records = backend._read(lambda: sky.status(cluster_names=[cluster], refresh=common.StatusRefreshMode.FORCE, all_users=True))
+    records = sky_sdk.read(lambda: sky.status(cluster_names=[cluster], refresh=common.StatusRefreshMode.FORCE, all_users=True))
     return any(str(getattr(r.get("status"), "value", r.get("status"))) == "UP" for r in records or ())
 
 
 def _relaunch(step: _Step, out) -> None:
     """The cluster was lost under a running job: the same task on the same cluster name, again."""
-    from gpudoor_pipelines.launch.backends.skypilot import _sky
-
     step.lost()
     if step.task is None or step.recoveries >= MAX_RELAUNCHES:
         why = "it was launched by another process" if step.task is None else f"relaunched {step.recoveries} times already"
         step.decide(JobState.FAILED_NO_RESOURCE, f"its cluster {step.cluster} was lost (preempted); not relaunched: {why}")
         return
-    sky = _sky()
+    sky = sky_sdk.sky()
     step.relaunching, step.recoveries = True, step.recoveries + 1
     out.write(f"[gpudoor] cluster {step.cluster} was lost (preempted): launching it again "
               f"(recovery {step.recoveries} of at most {MAX_RELAUNCHES})\n")  # fmt: skip
     try:
-        _down_quietly(step.cluster, wait=True)  # what is left of it (its record, a partial allocation)
+        sky_sdk.down(step.cluster, wait=True)  # what is left of it (its record, a partial allocation)
         if not step.released:
             step.launch_request = sky.launch(step.task, cluster_name=step.cluster, retry_until_up=True)
             sky_job_id, _ = sky.get(step.launch_request)
             step.sky_job_id = int(sky_job_id)
             step.recovered()
         if step.released:  # cancelled while it was being launched again: it goes at once
-            _down_quietly(step.cluster, wait=True)
+            sky_sdk.down(step.cluster, wait=True)
     except Exception as e:  # noqa: BLE001 - the step fails with the reason
         step.decide(JobState.FAILED_NO_RESOURCE, f"relaunching cluster {step.cluster} failed: {type(e).__name__}: {e}")
-        _down_quietly(step.cluster)
+        sky_sdk.down(step.cluster)
     finally:
         step.relaunching, step.launch_request = False, None
 
@@ -324,16 +296,8 @@ def release_cluster(cluster: str, *, wait: bool) -> bool:
         step.released = True
         step.decide(JobState.CANCELLED, "cancelled by the door")
         if step.launch_request is not None:  # a relaunch still waiting for GPUs: the server stops trying
-            _cancel_request(step.launch_request)
-    return _down_quietly(cluster, wait=wait) is not None
-
-
-def _cancel_request(request_id: Any) -> None:
-    from gpudoor_pipelines.launch.backends.skypilot import _sky
-
-    sky = _sky()
-    with contextlib.suppress(Exception):
-        sky.get(sky.api_cancel(request_id, silent=True))
+            sky_sdk.cancel_request(step.launch_request)
+    return sky_sdk.down(cluster, wait=wait) is not None
 
 
 def finish(job_id: str) -> str:
@@ -342,48 +306,39 @@ def finish(job_id: str) -> str:
     step = _known(job_id)
     if step is not None:
         step.released = True
-    request_id = _down_quietly(cluster_of(job_id))
+    request_id = sky_sdk.down(cluster_of(job_id))
     return f"Tearing down cluster {cluster_of(job_id)}" + (f" (request {request_id})." if request_id else ".")
 
 
-def _down_quietly(cluster: str, *, wait: bool = False) -> str | None:
-    """``sky.down`` of the cluster; a cluster that does not exist is fine. Returns the request id."""
-    from gpudoor_pipelines.launch.backends.skypilot import _sky
+@register("cluster")
+class StepClusters(JobStrategy):
+    """A step on a cluster of its own (see the module docstring); its id is ``<cluster>/<job id on it>``."""
 
-    sky = _sky()
-    from sky import exceptions
+    @staticmethod
+    def owns(job_id: str) -> bool:
+        return "/" in str(job_id)
 
-    try:
-        request_id = sky.down(cluster)
-        if wait:
-            sky.get(request_id)
-        return None if request_id is None else str(request_id)
-    except (exceptions.ClusterDoesNotExist, ValueError):
-        return None
-    except Exception:  # noqa: BLE001 - best effort here; the release check or the reconciler looks again
-        return None
+    def submit(self, job: ResolvedJob) -> str:
+        return launch(job)
 
+    def infos(self, job_ids: Sequence[str]) -> dict[str, JobInfo]:
+        return infos(job_ids)
 
-def holding(job_id: str) -> Holding:
-    """What the job holds: its cluster."""
-    return Holding("cluster", cluster_of(job_id), name=cluster_of(job_id))
+    def follow(self, job_id: str) -> LogFollower:
+        return follow(job_id)
 
+    def tail(self, job_id: str, lines: int) -> list[str]:
+        sky = sky_sdk.sky()
+        cluster, sky_job_id = cluster_of(job_id), sky_job_of(job_id)
+        return sky_sdk.tail(lambda out: sky.tail_logs(cluster, sky_job_id, follow=False, tail=lines, output_stream=out), lines)
 
-def clusters_held(records: Iterable[Mapping[str, Any]]) -> list[tuple[str, str, int, int]]:
-    """(pool label, user label, GPUs, vCPUs) of every door step cluster that is up or starting (records as
-    ``sky.status`` or the server's cluster table give them)."""
-    out = []
-    for record in records:
-        name = str(record.get("name") or "")
-        status = str(getattr(record.get("status"), "value", record.get("status")))
-        if not name.startswith(STEP_CLUSTER_PREFIX) or status not in ("UP", "INIT"):
-            continue
-        handle = record.get("handle")
-        resources = getattr(handle, "launched_resources", None)
-        labels = getattr(resources, "labels", None) or {}
-        if not labels.get(LABEL_POOL):
-            continue
-        nodes = int(getattr(handle, "launched_nodes", None) or 1)
-        gpus = gpus_per_node(getattr(resources, "accelerators", None))
-        out.append((str(labels[LABEL_POOL]), str(labels.get(LABEL_USER, "unknown")), gpus * nodes, 0))
-    return out
+    def cancel(self, job_ids: Sequence[str]) -> None:
+        for job_id in job_ids:
+            release(job_id, wait=True)
+
+    def holding(self, job_id: str) -> Holding:
+        """What the job holds: its cluster."""
+        return Holding("cluster", cluster_of(job_id), name=cluster_of(job_id))
+
+    def finish(self, job_id: str) -> str | None:
+        return finish(job_id)

@@ -204,13 +204,12 @@ def server_usage() -> Usage | None:
     """
     from sky.jobs import utils as managed_job_utils
 
-    from gpudoor_pipelines.launch.backends.skypilot import job_held, pool_workers_held
-    from gpudoor_pipelines.launch.backends.step_clusters import clusters_held
+    from gpudoor_pipelines.launch.backends.sky_records import clusters_held, job_held, pool_workers_held
 
     if not managed_job_utils.is_consolidation_mode():
         return None
     queue = managed_job_utils.get_managed_job_queue(skip_finished=True, fields=list(_SERVER_QUEUE_FIELDS))
-    held = [row for r in queue.get("jobs") or () if (row := job_held(r, launched_task=True)) is not None]
+    held = [row for r in queue.get("jobs") or () if (row := job_held(r, launched_task_too=True)) is not None]
     held.extend(pool_workers_held(_warm_pools()))
     held.extend(clusters_held(_step_clusters()))
     return Usage.tally(held)

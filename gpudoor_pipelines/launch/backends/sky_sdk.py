@@ -1,0 +1,247 @@
+"""The SkyPilot SDK, reached one way: the only module that imports ``sky`` (lazily, after usage collection
+is switched off), and the helpers every SkyPilot strategy shares.
+
+Calls go through the Python SDK to the API server and return request ids, resolved with ``sky.get``; the
+``sky`` command line is never used. Tests replace :func:`sky` with a fake SDK (``tests/launch/fake_sky.py``):
+every caller looks it up here, at call time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+import queue
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from gpudoor_pipelines.launch import sky_env
+from gpudoor_pipelines.launch.backends.base import LogFollower
+from gpudoor_pipelines.launch.errors import LaunchConfigError, PoolFull
+from gpudoor_pipelines.launch.job import JobState
+from gpudoor_pipelines.launch.resolve.request import ResolvedJob
+
+#: How long reads are retried while the API server cannot be reached (see :func:`read`).
+READ_RETRY_S = 90.0
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def sky() -> Any:
+    """The ``sky`` module, imported once usage collection is off."""
+    sky_env.prepare()
+    import sky as sky_module
+    import sky.server.common  # noqa: F401 - makes `sky.server.common` reachable as an attribute
+
+    return sky_module
+
+
+def read(request: Callable[[], Any], retry_s: float = READ_RETRY_S) -> Any:
+    """``sky.get`` of a read-only request (states, the queue, a pool's status), sent again while the API
+    server cannot be reached, for up to ``retry_s``: a busy or restarting server is not a failed step.
+    Launches and cancels are never sent twice."""
+    sdk = sky()
+    from sky.exceptions import ApiServerConnectionError
+
+    deadline, wait = time.monotonic() + retry_s, 1.0
+    while True:
+        try:
+            return sdk.get(request())
+        except ApiServerConnectionError:
+            if time.monotonic() + wait > deadline:
+                raise
+            time.sleep(wait)
+            wait = min(wait * 2, 15.0)
+
+
+def health(endpoint: str, token: str | None, timeout_s: float = 5.0) -> dict[str, Any]:
+    """The API server's ``/api/health`` answer: one plain request with a short timeout (SkyPilot's own
+    client retries for tens of seconds).
+
+    Raises:
+        LaunchConfigError: nothing answers there, it is not a SkyPilot API server, or it refused the token.
+    """
+    request = urllib.request.Request(f"{endpoint}/api/health")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            body = response.read()
+    except urllib.error.HTTPError as e:
+        if e.code in (401, 403):
+            raise LaunchConfigError("resource skypilot", "service_account_token",
+                                    f"the API server at {endpoint} refused the credentials ({e.code})",
+                                    "set SKYPILOT_SERVICE_ACCOUNT_TOKEN to a valid service-account token") from None  # fmt: skip
+        raise LaunchConfigError("resource skypilot", "api_server_endpoint", f"{endpoint}/api/health answered {e.code}",
+                                "check that SKYPILOT_API_SERVER_ENDPOINT points at a SkyPilot API server") from None  # fmt: skip
+    except (urllib.error.URLError, OSError) as e:
+        raise LaunchConfigError(
+            "resource skypilot",
+            "api_server_endpoint",
+            f"no SkyPilot API server answers at {endpoint} ({getattr(e, 'reason', e)})",
+            "start the API server or correct SKYPILOT_API_SERVER_ENDPOINT",
+        ) from None
+    try:
+        answer = json.loads(body or b"{}")
+    except ValueError:
+        return {}
+    return answer if isinstance(answer, dict) else {}
+
+
+def state(status: Any) -> JobState:
+    """A SkyPilot managed-job status as a :class:`JobState`."""
+    name = getattr(status, "value", status)
+    try:
+        return JobState(str(name))
+    except ValueError:
+        # Newer SkyPilot states map onto the closest one we know.
+        return JobState.RUNNING if "RUN" in str(name) else JobState.PENDING
+
+
+def cluster_job_state(status: Any) -> JobState | None:
+    """The status of a job on a cluster (``sky.job_status``) as a :class:`JobState`; None when there is none."""
+    if status is None:
+        return None
+    name = str(getattr(status, "value", status))
+    if name in ("SUCCEEDED", "CANCELLED", "FAILED_SETUP"):
+        return JobState(name)
+    if "FAIL" in name:
+        return JobState.FAILED
+    return JobState.PENDING if name in ("INIT", "PENDING", "SETTING_UP") else JobState.RUNNING
+
+
+def update_mode() -> Any:
+    """SkyPilot's default update mode for ``pool_apply``."""
+    from sky.serve import serve_utils
+
+    return serve_utils.DEFAULT_UPDATE_MODE
+
+
+def build_task(job: ResolvedJob, config: dict[str, Any] | None = None) -> Any:
+    """The ``sky.Task`` of a resolved job (or of ``config``, a variant of its task): envs, secrets, resources
+    with infra and labels, workdir."""
+    config = copy.deepcopy(config if config is not None else {**job.config, "name": job.name})
+    secrets = config.pop("secrets", None) or {}
+    task = sky().Task.from_yaml_config(config, secrets_overrides=list(secrets.items()) or None)
+    task.workdir = job.workdir
+    return task
+
+
+@contextlib.contextmanager
+def refusals(job: ResolvedJob) -> Iterator[None]:
+    """The server's refusals, as the same clear errors the client's own checks raise."""
+    from sky import exceptions
+
+    try:
+        yield
+    except exceptions.UserRequestRejectedByPolicy as e:
+        full = PoolFull.from_refusal(str(e), job.spec_path or job.name)
+        if full is not None:
+            raise full from None
+        raise LaunchConfigError(job.spec_path or job.name, "(admin policy)", f"rejected by the API server's policy: {e}",
+                                "change what the policy names, then relaunch") from None  # fmt: skip
+    except (exceptions.ResourcesUnavailableError, ValueError) as e:
+        raise LaunchConfigError(job.name, "resources", f"SkyPilot cannot place the job: {e}",
+                                "check the pool's infra and GPUs in task_specs/fleet.yaml") from None  # fmt: skip
+
+
+def clusters(names: list[str]) -> dict[str, str]:
+    """Those of ``names`` that ``sky.status`` lists (any user's), with their states."""
+    sdk = sky()
+    records = read(lambda: sdk.status(cluster_names=names, all_users=True)) or ()
+    return {str(r.get("name")): str(getattr(r.get("status"), "value", r.get("status"))) for r in records}
+
+
+def down(cluster: str, *, wait: bool = False) -> str | None:
+    """``sky.down`` of the cluster; a cluster that does not exist is fine. Returns the request id."""
+    sdk = sky()
+    from sky import exceptions
+
+    try:
+        request_id = sdk.down(cluster)
+        if wait:
+            sdk.get(request_id)
+        return None if request_id is None else str(request_id)
+    except (exceptions.ClusterDoesNotExist, ValueError):
+        return None
+    except Exception:  # noqa: BLE001 - best effort here; the release check or the reconciler looks again
+        return None
+
+
+def cancel_request(request_id: Any) -> None:
+    """Asks the API server to stop working on a request (a launch still waiting for GPUs)."""
+    sdk = sky()
+    with contextlib.suppress(Exception):
+        sdk.get(sdk.api_cancel(request_id, silent=True))
+
+
+class _QueueStream(io.TextIOBase):
+    """A text stream that hands complete lines (colour codes removed) to a queue."""
+
+    def __init__(self, lines: queue.Queue[str]) -> None:
+        self._lines = lines
+        self._partial = ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        data = self._partial + text
+        *complete, self._partial = data.split("\n")
+        for line in complete:
+            self._lines.put(_ANSI.sub("", line).rstrip("\r"))
+        return len(text)
+
+    def flush_partial(self) -> None:
+        if self._partial:
+            self._lines.put(_ANSI.sub("", self._partial))
+            self._partial = ""
+
+
+class ThreadFollower(LogFollower):
+    """Runs a blocking SDK log stream (``follow=True``) in a thread; ``poll`` hands out its lines."""
+
+    def __init__(self, stream_to: Callable[[io.TextIOBase], Any]) -> None:
+        self._lines: queue.Queue[str] = queue.Queue()
+        self._stream = _QueueStream(self._lines)
+        self._thread = threading.Thread(target=self._run, args=(stream_to,), daemon=True)
+        self._thread.start()
+
+    def _run(self, stream_to: Callable[[io.TextIOBase], Any]) -> None:
+        try:
+            stream_to(self._stream)
+        except Exception as e:  # The stream ends with the job or the connection; say so in the log.
+            self._lines.put(f"[gpudoor] log stream ended: {type(e).__name__}: {e}")
+        self._stream.flush_partial()
+
+    @property
+    def ended(self) -> bool:
+        """The SDK's stream returned: the job ended (or the connection dropped), and every line is handed out."""
+        return not self._thread.is_alive() and self._lines.empty()
+
+    def poll(self) -> list[str]:
+        out = []
+        while True:
+            try:
+                out.append(self._lines.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self) -> None:
+        # The SDK call cannot be interrupted; the daemon thread ends with the job's log.
+        self._thread.join(timeout=2)
+
+
+def tail(read_into: Callable[[io.TextIOBase], Any], lines: int) -> list[str]:
+    """The last ``lines`` lines an SDK log call writes (best effort: a failure is one line saying so)."""
+    out = io.StringIO()
+    try:
+        read_into(out)
+    except Exception as e:  # The tail is best effort: the failure itself is reported anyway.
+        return [f"[gpudoor] could not fetch the log tail: {type(e).__name__}: {e}"]
+    return [_ANSI.sub("", line) for line in out.getvalue().splitlines() if line.strip()][-lines:]

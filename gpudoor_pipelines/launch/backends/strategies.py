@@ -1,0 +1,212 @@
+"""How the SkyPilot backend runs a job, as strategies chosen once, in the style of SkyPilot's registered
+recovery strategies.
+
+- :class:`ManagedJobs` (``managed``): ``sky.jobs.launch``; SkyPilot's controller watches and recovers it.
+  Its id is SkyPilot's managed-job id (a number).
+- ``cluster`` (:mod:`.step_clusters`): a cluster of its own for a short step, torn down when it ends. Its
+  id is ``<cluster>/<job id on the cluster>``.
+- :class:`WarmPools`: the ranks of a batch on a managed-job pool (``sky.jobs.pool_apply``, then one
+  ``sky.jobs.launch(pool=, num_jobs=)``); the ranks are managed jobs.
+
+A strategy is picked by the fleet's ``launch_as`` when a job is launched (:func:`for_launch`), and by the
+form of its id afterwards (:func:`owner_of`): the one place that looks at an id's form.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+from gpudoor_pipelines.launch.backends import sky_records, sky_sdk
+from gpudoor_pipelines.launch.backends.base import LogFollower
+from gpudoor_pipelines.launch.job import Holding, JobInfo
+from gpudoor_pipelines.launch.resolve.request import ResolvedJob
+
+if TYPE_CHECKING:
+    from gpudoor_pipelines.launch.backends.skypilot import SkyPilotBackend
+
+_REGISTRY: dict[str, type[JobStrategy]] = {}
+
+
+def register(name: str):
+    """Registers a job strategy under the ``launch_as`` name that picks it."""
+
+    def wrap(cls: type[JobStrategy]) -> type[JobStrategy]:
+        cls.NAME = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def strategies(backend: SkyPilotBackend) -> list[JobStrategy]:
+    """One instance of every registered strategy for ``backend`` (a strategy registers when its module is
+    imported: the backend imports them all)."""
+    return [cls(backend) for cls in _REGISTRY.values()]
+
+
+def for_launch(choices: Sequence[JobStrategy], job: ResolvedJob) -> JobStrategy:
+    """The strategy the fleet's ``launch_as`` names for ``job`` (a managed job when it names none known)."""
+    by_name = {s.NAME: s for s in choices}
+    return by_name.get(job.launch_as) or by_name[ManagedJobs.NAME]
+
+
+def owner_of(choices: Sequence[JobStrategy], job_id: str) -> JobStrategy:
+    """The strategy whose ids look like ``job_id``."""
+    for strategy in choices:
+        if strategy.owns(job_id):
+            return strategy
+    raise KeyError(f"no job {job_id}: neither a managed job's id nor a step cluster's")
+
+
+class JobStrategy(abc.ABC):
+    """One way of running a job: submit it, read its state and logs, cancel it, say what it holds."""
+
+    NAME: ClassVar[str] = ""
+
+    def __init__(self, backend: SkyPilotBackend) -> None:
+        self.backend = backend
+
+    @staticmethod
+    @abc.abstractmethod
+    def owns(job_id: str) -> bool:
+        """Whether ``job_id`` is one of this strategy's ids."""
+
+    @abc.abstractmethod
+    def submit(self, job: ResolvedJob) -> str:
+        """Launches the job; returns its id."""
+
+    @abc.abstractmethod
+    def infos(self, job_ids: Sequence[str]) -> dict[str, JobInfo]:
+        """The states of the jobs, in as few requests as the API allows (unknown ones left out)."""
+
+    @abc.abstractmethod
+    def follow(self, job_id: str) -> LogFollower:
+        """A follower of the job's log from the start."""
+
+    @abc.abstractmethod
+    def tail(self, job_id: str, lines: int) -> list[str]:
+        """The last lines of the job's log."""
+
+    @abc.abstractmethod
+    def cancel(self, job_ids: Sequence[str]) -> None:
+        """Asks for the jobs to be cancelled (returns once asked)."""
+
+    def holding(self, job_id: str) -> Holding:
+        """What the job holds, to release and check."""
+        return Holding("job", job_id)
+
+    def finish(self, job_id: str) -> str | None:
+        """Called once the job has ended and its log tail was read; says what it gave back, if anything."""
+        return None
+
+
+@register("managed")
+class ManagedJobs(JobStrategy):
+    """A SkyPilot managed job: ``sky.jobs.launch``, watched through ``sky.jobs.queue_v2``."""
+
+    @staticmethod
+    def owns(job_id: str) -> bool:
+        return str(job_id).isdigit()
+
+    def submit(self, job: ResolvedJob) -> str:
+        sky = sky_sdk.sky()
+        with sky_sdk.refusals(job):
+            job_ids, _ = sky.get(sky.jobs.launch(sky_sdk.build_task(job), name=job.name))
+        if not job_ids:
+            raise RuntimeError(f"SkyPilot returned no job id for {job.name}")
+        return str(job_ids[0])
+
+    def infos(self, job_ids: Sequence[str]) -> dict[str, JobInfo]:
+        if not job_ids:
+            return {}
+        sky = sky_sdk.sky()
+        ids = [int(i) for i in job_ids]
+        records, *_ = sky_sdk.read(
+            lambda: sky.jobs.queue_v2(refresh=False, all_users=True, job_ids=ids, fields=sky_records.QUEUE_FIELDS)
+        )
+        return {str(r.job_id): sky_records.job_info(r) for r in records}
+
+    def follow(self, job_id: str) -> LogFollower:
+        sky = sky_sdk.sky()
+        return sky_sdk.ThreadFollower(lambda out: sky.jobs.tail_logs(job_id=int(job_id), follow=True, output_stream=out))
+
+    def tail(self, job_id: str, lines: int) -> list[str]:
+        sky = sky_sdk.sky()
+        return sky_sdk.tail(lambda out: sky.jobs.tail_logs(job_id=int(job_id), follow=False, tail=lines, output_stream=out), lines)
+
+    def cancel(self, job_ids: Sequence[str]) -> None:
+        if job_ids:
+            sky = sky_sdk.sky()
+            sky.get(sky.jobs.cancel(job_ids=[int(i) for i in job_ids]))
+
+
+class WarmPools:
+    """The ranks of a batch on a managed-job pool: setup runs once per worker, the ranks are managed jobs."""
+
+    #: Seconds between looks at a pool that is not ready yet.
+    poll_s = 5.0
+
+    def __init__(self, backend: SkyPilotBackend) -> None:
+        self.backend = backend
+
+    def submit(self, job: ResolvedJob, num_jobs: int, *, pool_name: str, workers: int) -> list[str]:
+        """``sky.jobs.pool_apply`` (when the pool is missing or too small), then one ``sky.jobs.launch(pool=, num_jobs=)``."""
+        sky = sky_sdk.sky()
+        config = {k: v for k, v in job.config.items()}
+        # SkyPilot refuses job_recovery on a pool: the pool recovers a job whose worker is preempted on a
+        # replacement worker itself, and the caller relaunches what a failed job had not finished.
+        if isinstance(config.get("resources"), dict):
+            config["resources"] = {k: v for k, v in config["resources"].items() if k != "job_recovery"}
+        current = self.record(pool_name)
+        if current is None or int(current.get("target_num_replicas") or 0) < workers:
+            pool_config = {k: v for k, v in config.items() if k != "run"}
+            pool_config.update(name=pool_name, pool={"workers": workers})
+            with sky_sdk.refusals(job):
+                sky.get(sky.jobs.pool_apply(sky_sdk.build_task(job, pool_config), pool_name, mode=sky_sdk.update_mode()))
+        self._wait_ready(pool_name)
+        # The job runs on the pool's workers: they decide where, and they already ran the setup.
+        job_config = {k: v for k, v in config.items() if k not in ("setup", "num_nodes")}
+        job_config["name"] = job.name
+        with sky_sdk.refusals(job):
+            job_ids, _ = sky.get(sky.jobs.launch(sky_sdk.build_task(job, job_config), name=job.name, pool=pool_name,
+                                                 num_jobs=num_jobs))  # fmt: skip
+        if len(job_ids or ()) != num_jobs:
+            raise RuntimeError(f"SkyPilot returned {len(job_ids or ())} job ids for {num_jobs} jobs of {job.name}")
+        return [str(i) for i in job_ids]
+
+    def record(self, pool_name: str) -> dict | None:
+        """The pool's ``sky.jobs.pool_status`` record (None when there is no such pool)."""
+        sky = sky_sdk.sky()
+        try:
+            records = sky_sdk.read(lambda: sky.jobs.pool_status([pool_name]))
+        except Exception as e:  # noqa: BLE001 - SkyPilot raises a plain exception for an unknown pool
+            if "not found" in str(e).lower() or "does not exist" in str(e).lower():
+                return None
+            raise
+        return next((r for r in records or () if r.get("name") == pool_name), None)
+
+    def _wait_ready(self, pool_name: str, timeout_s: float = 900.0) -> None:
+        deadline = time.time() + timeout_s
+        while True:
+            record = self.record(pool_name)
+            status = sky_records.status_name(record) if record else "None"
+            if status == "READY":
+                return
+            if status.startswith("FAILED") or time.time() > deadline:
+                raise RuntimeError(f"pool {pool_name} is {status} (not READY after {time.time() - deadline + timeout_s:.0f} s)")
+            time.sleep(self.poll_s)
+
+    def workers(self, pool_name: str) -> int:
+        """The pool's target number of workers (0 when there is no such pool)."""
+        record = self.record(pool_name)
+        return int(record.get("target_num_replicas") or 0) if record else 0
+
+    def release(self, pool_name: str) -> None:
+        """``sky.jobs.pool_down`` of the pool (nothing if there is none)."""
+        if self.record(pool_name) is None:
+            return
+        sky = sky_sdk.sky()
+        sky.get(sky.jobs.pool_down(pool_name))
