@@ -16,7 +16,8 @@ import yaml
 
 from gpudoor_pipelines.automation.reconcile import RunFacts, plan_releases
 from gpudoor_pipelines.automation.reconciler import orphan_reconciler, release_held_gpus_job
-from gpudoor_pipelines.launch.backends.local import LocalBackend, _group_alive
+from gpudoor_pipelines.launch.backends.local import LocalBackend
+from gpudoor_pipelines.launch.backends.local_state import group_alive as _group_alive
 from gpudoor_pipelines.launch.client import PipesSkyPilotClient
 from gpudoor_pipelines.launch.job import Holding
 from gpudoor_pipelines.launch.resolve.fleet import ReconcilerPolicy

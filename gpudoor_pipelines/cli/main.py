@@ -69,7 +69,7 @@ def _dagster_home() -> Path:
     """``$DAGSTER_HOME``, or ``~/.gpudoor/dagster_home`` with the project's instance settings."""
     import shutil
 
-    from gpudoor_pipelines.launch.backends.local import default_home
+    from gpudoor_pipelines.launch.backends.local_state import default_home
     from gpudoor_pipelines.launch.resolve.fleet import PROJECT_ROOT
 
     home = Path(os.environ.get("DAGSTER_HOME") or default_home() / "dagster_home")

@@ -9,8 +9,6 @@ process tree.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import secrets as pysecrets
@@ -23,109 +21,30 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gpudoor_pipelines.launch.backends.base import Backend, LogFollower, Service
+from gpudoor_pipelines.launch.backends.local_state import (
+    LOG_FILE,
+    POOL_FILE,
+    QUEUE_DIR,
+    RELEASED_FILE,
+    RUNNER_FILE,
+    SUPERVISOR_FILE,
+    TASK_FILE,
+    alive,
+    default_home,
+    free_port,
+    group_alive,
+    kill_group,
+    queue_lock,
+    read_json,
+    read_state,
+    write_json,
+    write_state,
+)
 from gpudoor_pipelines.launch.job import Holding, JobInfo, JobState, JobUsage, ReleaseCheck
 from gpudoor_pipelines.launch.labels import LABEL_USER
 from gpudoor_pipelines.launch.resolve.request import ResolvedJob
 from gpudoor_pipelines.launch.resolve.routing import Usage
 from gpudoor_pipelines.launch.resolve.specs import gpus_per_node, parse_accelerators, parse_cpus
-
-LOG_FILE = "run.log"
-STATE_FILE = "state.json"
-TASK_FILE = "task.json"
-RUNNER_FILE = "runner.json"
-# A warm pool's folder (under <home>/worker_pools/<name>/): its spec, its supervisor, queued jobs.
-POOL_FILE = "pool.json"
-SUPERVISOR_FILE = "supervisor.json"
-QUEUE_DIR = "queue"
-RELEASED_FILE = "released"
-_QUEUE_LOCK = "queue.lock"
-
-
-def default_home() -> Path:
-    """``$GPUDOOR_HOME`` or ``~/.gpudoor``: where the embedded default keeps its state."""
-    return Path(os.environ.get("GPUDOOR_HOME") or Path.home() / ".gpudoor")
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
-
-
-def read_state(job_dir: Path) -> dict:
-    """The job's state file (empty before the runner writes it)."""
-    try:
-        return json.loads((job_dir / STATE_FILE).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
-
-
-def write_state(job_dir: Path, **fields: object) -> dict:
-    """Updates the job's state file atomically."""
-    state = read_state(job_dir)
-    state.update(fields)
-    tmp = job_dir / f".{STATE_FILE}.{os.getpid()}"
-    tmp.write_text(json.dumps(state))
-    os.replace(tmp, job_dir / STATE_FILE)
-    return state
-
-
-def write_json(path: Path, **fields: object) -> None:
-    """Replaces a small JSON file atomically."""
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(fields))
-    os.replace(tmp, path)
-
-
-@contextlib.contextmanager
-def queue_lock(pool_dir: Path) -> Iterator[None]:
-    """Serializes queueing jobs with a pool deciding to stop (so no job is queued on a pool that is leaving)."""
-    with open(pool_dir / _QUEUE_LOCK, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def claim_next(pool_dir: Path) -> Path | None:
-    """Takes the oldest queued job of a pool off its queue; returns its folder (None if the queue is empty).
-
-    One pool process claims for all its slots (callers hold its lock); a job released meanwhile is
-    simply gone from the queue.
-    """
-    for entry in sorted((pool_dir / QUEUE_DIR).iterdir()):
-        try:
-            target = Path(entry.read_text())
-            entry.unlink()
-        except FileNotFoundError:
-            continue
-        return target
-    return None
-
-
-def _alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # A zombie child of ours counts as gone.
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 class _FileFollower(LogFollower):
@@ -247,7 +166,7 @@ class LocalBackend(Backend):
         ids = []
         with queue_lock(pool_dir):
             supervisor = self._supervisor(pool_dir)
-            current = _read_json(pool_dir / POOL_FILE) if supervisor else {}
+            current = read_json(pool_dir / POOL_FILE) if supervisor else {}
             write_json(
                 pool_dir / POOL_FILE,
                 name=pool_name,
@@ -281,16 +200,16 @@ class LocalBackend(Backend):
 
     def _supervisor(self, pool_dir: Path) -> int | None:
         """The pid of the pool's live supervisor that is not leaving, else None."""
-        record = _read_json(pool_dir / SUPERVISOR_FILE)
+        record = read_json(pool_dir / SUPERVISOR_FILE)
         pid = record.get("pid")
-        return pid if _alive(pid) and not record.get("exiting") else None
+        return pid if alive(pid) and not record.get("exiting") else None
 
     def pool_workers(self, pool_name: str) -> int:
         """Workers of the pool's live supervisor (0 when it has stopped)."""
         pool_dir = self.pool_dir(pool_name)
         if self._supervisor(pool_dir) is None:
             return 0
-        return int(_read_json(pool_dir / POOL_FILE).get("workers", 0))
+        return int(read_json(pool_dir / POOL_FILE).get("workers", 0))
 
     def release_pool(self, pool_name: str) -> None:
         """Lets the pool stop once its running jobs end; its queued jobs are cancelled."""
@@ -329,7 +248,7 @@ class LocalBackend(Backend):
             raise KeyError(f"no local job {job_id} under {self.jobs_root}")
         state = read_state(job_dir)
         current = JobState(state.get("state", JobState.PENDING.value))
-        if not current.is_terminal and not _alive(self._runner(job_id).get("pid")):
+        if not current.is_terminal and not alive(self._runner(job_id).get("pid")):
             # Give a runner that just finished a moment to write its verdict.
             time.sleep(0.2)
             state = read_state(job_dir)
@@ -376,12 +295,12 @@ class LocalBackend(Backend):
         if not pgid:
             write_state(job_dir, state=JobState.CANCELLED.value, ended_at=time.time())
             return
-        _kill_group(pgid, signal.SIGTERM)
+        kill_group(pgid, signal.SIGTERM)
         deadline = time.time() + 10
-        while time.time() < deadline and _group_alive(pgid):
+        while time.time() < deadline and group_alive(pgid):
             time.sleep(0.1)
-        if _group_alive(pgid):
-            _kill_group(pgid, signal.SIGKILL)
+        if group_alive(pgid):
+            kill_group(pgid, signal.SIGKILL)
         state = read_state(job_dir)
         if (
             not JobState(state.get("state", "PENDING")).is_terminal
@@ -398,9 +317,9 @@ class LocalBackend(Backend):
             state = read_state(job_dir)
             if not state or JobState(state.get("state", "PENDING")).is_terminal:
                 continue
-            if not _alive(self._runner(job_dir.name).get("pid")):
+            if not alive(self._runner(job_dir.name).get("pid")):
                 continue
-            task = _read_json(job_dir / TASK_FILE)
+            task = read_json(job_dir / TASK_FILE)
             if not task or task.get("worker_pool"):  # a pool's jobs run on its workers, counted below
                 continue
             resources = task["config"].get("resources") or {}
@@ -412,7 +331,7 @@ class LocalBackend(Backend):
         for pool_dir in pools_root.iterdir() if pools_root.is_dir() else ():
             if self._supervisor(pool_dir) is None:
                 continue
-            spec = _read_json(pool_dir / POOL_FILE)
+            spec = read_json(pool_dir / POOL_FILE)
             workers = int(spec.get("workers", 0))
             yield (
                 spec["pool"],
@@ -427,7 +346,7 @@ class LocalBackend(Backend):
         With ``submitted_after``: the jobs submitted after it, started or not."""
         out = []
         for job_dir in sorted(self.jobs_root.iterdir()) if self.jobs_root.is_dir() else ():
-            state, task = read_state(job_dir), _read_json(job_dir / TASK_FILE)
+            state, task = read_state(job_dir), read_json(job_dir / TASK_FILE)
             started, ended = state.get("started_at"), state.get("ended_at")
             if submitted_after is not None:
                 if not task or (state.get("submitted_at") or 0) <= submitted_after:
@@ -456,7 +375,7 @@ class LocalBackend(Backend):
         out = []
         services = set(self.clusters().values())
         for job_dir in sorted(self.jobs_root.iterdir()) if self.jobs_root.is_dir() else ():
-            task = _read_json(job_dir / TASK_FILE)
+            task = read_json(job_dir / TASK_FILE)
             if not task or task.get("worker_pool") or job_dir.name in services:
                 continue
             info = self.status(job_dir.name)  # a runner that died without a verdict ends here
@@ -469,12 +388,12 @@ class LocalBackend(Backend):
         for pool_dir in sorted(pools_root.iterdir()) if pools_root.is_dir() else ():
             if self._supervisor(pool_dir) is None:
                 continue
-            spec = _read_json(pool_dir / POOL_FILE)
+            spec = read_json(pool_dir / POOL_FILE)
             out.append(Holding("pool", pool_dir.name, labels=dict(spec.get("labels") or {}),
                                since=spec.get("created_at"), state="READY", name=pool_dir.name))  # fmt: skip
         for cluster, job_id in sorted(self.clusters().items()):
             state = read_state(self.job_dir(job_id))
-            task = _read_json(self.job_dir(job_id) / TASK_FILE)
+            task = read_json(self.job_dir(job_id) / TASK_FILE)
             labels = (task.get("config", {}).get("resources") or {}).get("labels") or {}
             out.append(Holding("cluster", cluster, labels=dict(labels), since=state.get("submitted_at"),
                                state=state.get("state", ""), name=cluster))  # fmt: skip
@@ -491,7 +410,7 @@ class LocalBackend(Backend):
         """The pool's ranks that have not ended."""
         out = []
         for job_dir in self.jobs_root.iterdir() if self.jobs_root.is_dir() else ():
-            if _read_json(job_dir / TASK_FILE).get("worker_pool") != pool_name:
+            if read_json(job_dir / TASK_FILE).get("worker_pool") != pool_name:
                 continue
             if not JobState(read_state(job_dir).get("state", "PENDING")).is_terminal:
                 out.append(job_dir.name)
@@ -503,14 +422,14 @@ class LocalBackend(Backend):
         if holding.kind == "job":
             base = super().check_released(holding)
             pgid = self._runner(holding.id).get("pgid")
-            alive = bool(pgid) and _group_alive(int(pgid))
-            seen = (*base.seen, f"process group {pgid}: {'alive' if alive else 'gone'}" if pgid else "no process group")
-            return ReleaseCheck(base.released and not alive, seen)
+            running = bool(pgid) and group_alive(int(pgid))
+            seen = (*base.seen, f"process group {pgid}: {'alive' if running else 'gone'}" if pgid else "no process group")
+            return ReleaseCheck(base.released and not running, seen)
         if holding.kind == "pool":
-            supervisor = _read_json(self.pool_dir(holding.id) / SUPERVISOR_FILE).get("pid")
+            supervisor = read_json(self.pool_dir(holding.id) / SUPERVISOR_FILE).get("pid")
             groups = [self._runner(j).get("pgid") for j in self._pool_jobs(holding.id)]
-            running = [g for g in groups if g and _group_alive(int(g))]
-            up = _alive(supervisor)
+            running = [g for g in groups if g and group_alive(int(g))]
+            up = alive(supervisor)
             seen = (f"pool {holding.id}: supervisor {supervisor} {'alive' if up else 'gone'}, {len(running)} ranks running",)
             return ReleaseCheck(not up and not running, seen)
         if holding.kind == "cluster":
@@ -580,22 +499,3 @@ class _LocalService(Service):
         return f"http://127.0.0.1:{local_port}"
 
 
-def _kill_group(pgid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _group_alive(pgid: int) -> bool:
-    for pid_dir in Path("/proc").iterdir():
-        if not pid_dir.name.isdigit():
-            continue
-        try:
-            with open(pid_dir / "stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False

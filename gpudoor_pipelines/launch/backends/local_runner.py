@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from gpudoor_pipelines.launch.backends.local import (
+from gpudoor_pipelines.launch.backends.local_state import (
     LOG_FILE,
     POOL_FILE,
     QUEUE_DIR,
