@@ -61,7 +61,8 @@ from gpudoor_pipelines.data.checkpoints import (  # noqa: E402
     record_start,
     scan_checkpoints,
 )
-from gpudoor_pipelines.transit.bucket import MANIFEST_NAME, LocalTransitBucket, S3TransitBucket  # noqa: E402
+from gpudoor_pipelines.transit.bucket import MANIFEST_NAME, LocalTransitBucket  # noqa: E402
+from gpudoor_pipelines.transit.s3 import S3TransitBucket  # noqa: E402
 
 PER_TRAINING = 100  # checkpoints per finished training
 RUNNING = 5  # running trainings, at every size

@@ -85,25 +85,19 @@ class TimedSky:
         return 0
 
 
-def _quiet():
-    log = types.SimpleNamespace(info=lambda *_: None, debug=lambda *_: None, warning=lambda *_: None)
-    return types.SimpleNamespace(log=log)
-
-
 def _run(case: str, steps: int, job_seconds: float, stagger: float) -> dict:
     from gpudoor_pipelines.launch import watch
     from gpudoor_pipelines.launch.backends import sky_sdk
     from gpudoor_pipelines.launch.backends import skypilot as skypilot_backend
-    from gpudoor_pipelines.launch.client import PipesSkyPilotClient, _Redactor
     from gpudoor_pipelines.launch.job import JobState
-    from gpudoor_pipelines.transit.resource import TransitBucketResource
+    from gpudoor_pipelines.launch.launcher import Launcher, LaunchSettings
+    from gpudoor_pipelines.launch.resolve.fleet import load_fleet
 
     fake = TimedSky(job_seconds)
     sky_sdk.sky = lambda: fake
     skypilot_backend._USAGE_CACHE.clear()
     watch._HUBS.clear()
-    client = PipesSkyPilotClient(backend="skypilot", api_server_endpoint="http://127.0.0.1:1",
-                                 transit=TransitBucketResource(kind="local"))  # fmt: skip
+    settings = LaunchSettings(backend="skypilot", api_server_endpoint="http://127.0.0.1:1")
     noticed: dict[int, float] = {}
     t0 = time.monotonic()
 
@@ -122,7 +116,7 @@ def _run(case: str, steps: int, job_seconds: float, stagger: float) -> dict:
                 time.sleep(0.5)
             follower.close()
         else:
-            client._wait_for_completion(_quiet(), backend, str(job_id), _Redactor({}))
+            Launcher(backend, load_fleet(), settings).wait([str(job_id)])
         noticed[job_id] = time.monotonic()
 
     threads = [threading.Thread(target=step, args=(i,)) for i in range(steps)]

@@ -48,7 +48,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gpudoor_pipelines.transit import bucket as transit  # noqa: E402
+from gpudoor_pipelines.transit import s3  # noqa: E402
+from gpudoor_pipelines.transit import uris as transit  # noqa: E402
 
 MiB = 1024 * 1024
 KEY_ID, SECRET, REGION = "bench-key-id", "bench-secret", "us-east-1"
@@ -167,7 +168,7 @@ class Product:
     """The storage layer's own code paths, configured as a job is: by the AWS_* environment."""
 
     def __init__(self, endpoint: str, bucket: str):
-        orchestrator = transit.S3TransitBucket(
+        orchestrator = s3.S3TransitBucket(
             bucket, endpoint_url=endpoint, region=REGION, access_key_id=KEY_ID, secret_access_key=SECRET
         )
         os.environ.update({**orchestrator.job_env(), **orchestrator.job_secrets()})  # as the launcher does

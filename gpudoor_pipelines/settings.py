@@ -25,6 +25,7 @@ from typing import Any
 import dagster as dg
 
 from gpudoor_pipelines.launch.client import PipesSkyPilotClient
+from gpudoor_pipelines.launch.launcher import ENV_SETTINGS
 from gpudoor_pipelines.transit.io_manager import TransitIOManager
 from gpudoor_pipelines.transit.resource import bucket_from_env
 
@@ -38,14 +39,7 @@ def build_resources() -> dict[str, Any]:
     """The resources of the code location, bound to environment variables."""
     transit = bucket_from_env()
     skypilot_kwargs: dict[str, Any] = {"transit": transit}
-    for field, var in (
-        ("backend", "GPUDOOR_BACKEND"),
-        ("api_server_endpoint", "SKYPILOT_API_SERVER_ENDPOINT"),
-        ("service_account_token", "SKYPILOT_SERVICE_ACCOUNT_TOKEN"),
-        ("cost_owner", "GPUDOOR_COST_OWNER"),
-        ("local_home", "GPUDOOR_HOME"),
-        ("user", "GPUDOOR_USER"),
-    ):
+    for field, var in ENV_SETTINGS.items():
         value = _env(var)
         if value is not None:
             skypilot_kwargs[field] = value

@@ -113,3 +113,34 @@ def _wait_until_up(endpoint: str, timeout: float = 30.0) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
+
+
+# ---------------------------------------------------------------- what each test did, as it happens
+# tests/lanes.py names a file per lane (GPUDOOR_LANE_EVENTS): each test's outcome and seconds are appended
+# the moment they are known, and a failure's report too, so a lane cut off by its bound still says which
+# tests failed and why (pytest's own summary comes only at the end).
+_EVENTS = os.environ.get("GPUDOOR_LANE_EVENTS")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    if _EVENTS:
+        with open(_EVENTS, "a") as out:
+            out.write(f"started\tsetup\t0\t{nodeid}\n")
+
+
+def pytest_runtest_logreport(report):
+    if not _EVENTS:
+        return
+    failed = report.failed or (report.when == "call" and report.outcome == "rerun")
+    if report.when != "call" and not failed:
+        return
+    outcome = "rerun" if report.outcome == "rerun" else ("failed" if report.failed else report.outcome)
+    why = ""
+    if failed:
+        text = report.longreprtext.splitlines()
+        why = next((line[1:].strip() for line in text if line.startswith("E ")), text[-1] if text else "")[:200]
+    with open(_EVENTS, "a") as out:
+        out.write(f"{outcome}\t{report.when}\t{report.duration:.2f}\t{report.nodeid}\t{why}\n")
+    if failed:
+        with open(_EVENTS + ".failures", "a") as out:
+            out.write(f"\n===== {outcome.upper()} {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")

@@ -26,7 +26,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -90,7 +89,7 @@ def _bring_up_bed(reports: Path) -> bool:
     log = reports / "bed-up.log"
     print(f"bringing the Slurm test bed up (log: {log}) ...", flush=True)
     started = time.monotonic()
-    env = {"GPUDOOR_TESTBED_ADMIN_POLICY": "gpudoor_pipelines.launch.policy.GpuDoorPolicy", **os.environ}
+    env = {"GPUDOOR_TESTBED_ADMIN_POLICY": "gpudoor_pipelines.launch.server.policy.GpuDoorPolicy", **os.environ}
     with open(log, "w") as out:
         code = subprocess.call(["bash", "-c", f"bash {TESTBED / 'up.sh'} && bash {TESTBED / 'node_env.sh'}"],
                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)  # fmt: skip
@@ -101,10 +100,25 @@ def _bring_up_bed(reports: Path) -> bool:
 def _start(lane: Lane, reports: Path) -> None:
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfER", "--durations=0",
             f"--junitxml={reports / (lane.name + '.xml')}", *lane.args, *(BED_RERUN if lane.bed else [])]  # fmt: skip
+    env = {**os.environ, "GPUDOOR_LANE_EVENTS": str(reports / f"{lane.name}.events")}
     out = open(reports / f"{lane.name}.log", "w")  # noqa: SIM115 - closed when the lane ends
     lane.started = time.monotonic()
-    lane.proc = subprocess.Popen(args, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    lane.proc = subprocess.Popen(args, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     out.close()
+
+
+def _cut_off(proc: subprocess.Popen) -> int:
+    """Stops a lane past its bound: Ctrl-C first (pytest then prints what failed so far), harder after."""
+    for sig, grace in ((signal.SIGINT, 60), (signal.SIGTERM, 30), (signal.SIGKILL, 30)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            return proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            continue
+    return proc.wait()
 
 
 def _wait(lane_list: list[Lane]) -> None:
@@ -116,12 +130,7 @@ def _wait(lane_list: list[Lane]) -> None:
             elapsed = time.monotonic() - lane.started
             if code is None and elapsed > LANE_TIMEOUT_S:
                 lane.cut_off = True
-                os.killpg(lane.proc.pid, signal.SIGTERM)
-                try:
-                    code = lane.proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(lane.proc.pid, signal.SIGKILL)
-                    code = lane.proc.wait()
+                code = _cut_off(lane.proc)
             if code is not None:
                 lane.code, lane.seconds = code, elapsed
                 state = "passed" if code == 0 else f"CUT OFF after {LANE_TIMEOUT_S:.0f} s" if lane.cut_off else f"FAILED (exit {code})"
@@ -139,45 +148,34 @@ class Outcome:
     counts: dict[str, dict[str, int]]  # lane -> {passed, failed, skipped, ...}
 
 
-def _test_id(case: ET.Element) -> str:
-    """``tests/launch/test_x.py::TestY::test_z`` from a JUnit test case (classname ``tests.launch.test_x.TestY``)."""
-    parts = case.get("classname", "").split(".")
-    for cut in range(len(parts), 0, -1):
-        if (REPO_ROOT / Path(*parts[:cut])).with_suffix(".py").is_file():
-            return "::".join(["/".join(parts[:cut]) + ".py", *parts[cut:], case.get("name", "")])
-    return "::".join(filter(None, [case.get("classname", ""), case.get("name", "")]))
-
-
 def read_outcome(lane_list: list[Lane], reports: Path) -> Outcome:
+    """What the lanes' event files say (written as each test ends, so a lane cut off says it too)."""
     failed, reruns, times = [], [], []
     counts: dict[str, dict[str, int]] = {}
     for lane in lane_list:
-        xml = reports / f"{lane.name}.xml"
         tally = {"passed": 0, "failed": 0, "skipped": 0}
-        if xml.is_file():
-            try:
-                root = ET.parse(xml).getroot()
-            except ET.ParseError:
-                root = None
-            for case in root.iter("testcase") if root is not None else ():
-                test = _test_id(case)
-                problems = [c for c in case if c.tag in ("failure", "error")]
-                if problems:
-                    message = (problems[0].get("message") or "").strip().splitlines()
-                    failed.append((lane.name, test, message[0][:200] if message else problems[0].tag))
-                    tally["failed"] += 1
-                elif any(c.tag == "skipped" for c in case):
-                    tally["skipped"] += 1
-                else:
-                    tally["passed"] += 1
-                times.append((float(case.get("time") or 0.0), test))
-        log = reports / f"{lane.name}.log"
-        if log.is_file():
-            for line in log.read_text(errors="replace").splitlines():
-                if line.startswith("RERUN "):
-                    reruns.append((lane.name, line.split()[1]))
-        if lane.code not in (0, None) and tally["failed"] == 0:
-            # The lane failed without a failed test in its report: it was cut off, or pytest itself failed.
+        events = reports / f"{lane.name}.events"
+        lines = events.read_text(errors="replace").splitlines() if events.is_file() else []
+        started, ended = [], set()
+        for line in lines:
+            outcome, when, seconds, test, why = (line.split("\t", 4) + ["", "", "0", "", ""])[:5]
+            if outcome == "started":
+                started.append(test)
+                continue
+            if when == "call" or outcome == "failed":
+                ended.add(test)
+            if outcome == "rerun":
+                reruns.append((lane.name, test))
+            elif outcome == "failed":
+                tally["failed"] += 1
+                failed.append((lane.name, test, (f"in {when}: " if when != "call" else "") + (why or "failed")))
+            elif when == "call":
+                tally["passed" if outcome == "passed" else "skipped"] += 1
+                times.append((float(seconds or 0.0), test))
+        running = next((t for t in reversed(started) if t not in ended), None)
+        if lane.cut_off and running:
+            failed.append((lane.name, running, f"cut off while it ran (the lane's bound is {LANE_TIMEOUT_S:.0f} s)"))
+        elif lane.code not in (0, None) and tally["failed"] == 0:
             failed.append((lane.name, f"(lane {lane.name})", "cut off" if lane.cut_off else f"pytest exited {lane.code}"))
         counts[lane.name] = tally
     times.sort(reverse=True)
@@ -224,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     reports = Path(args.reports).resolve()
     reports.mkdir(parents=True, exist_ok=True)
     for old in reports.glob("*"):
-        if old.suffix in (".log", ".xml", ".txt", ".json"):
+        if old.suffix in (".log", ".xml", ".txt", ".json", ".events", ".failures"):
             old.unlink()
     lane_list = [lane for lane in lanes() if not args.only or lane.name in args.only]
     brought_up = any(lane.bed for lane in lane_list) and _bring_up_bed(reports)
@@ -246,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         if lane.code != 0:
             text = (reports / f"{lane.name}.log").read_text(errors="replace")
             details = "\n".join(filter(None, (_section(text, "FAILURES"), _section(text, "ERRORS"))))
+            if not details and (reports / f"{lane.name}.events.failures").is_file():
+                details = (reports / f"{lane.name}.events.failures").read_text(errors="replace")[-20000:]
             print(f"\n===== lane {lane.name} failed: its failures (whole log: {reports / (lane.name + '.log')})")
             print(details or "\n".join(text.splitlines()[-60:]))
     report = summary(lane_list, reports, outcome)

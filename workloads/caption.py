@@ -45,14 +45,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from gpudoor_pipelines.transit.bucket import (
-    MANIFEST_NAME,
-    bucket_for_uri,
-    join,
-    publish,
-    read_bytes,
-    write_bytes,
-)
+from gpudoor_pipelines.transit.bucket import MANIFEST_NAME
+from gpudoor_pipelines.transit.uris import bucket_for_uri, join, publish, read_bytes, write_bytes
 from workloads.caption_parts import CaptionRow, next_part_index, part_bytes, part_name, read_done
 from workloads.config import ConfigError, env_float, env_int, env_str, run_main
 from workloads.reporting import Reporter, open_reporting, saved

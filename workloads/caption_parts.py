@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gpudoor_pipelines.transit.bucket import join, list_uris, read_bytes
+from gpudoor_pipelines.transit.uris import join, list_uris, read_bytes
 
 PART_SCHEMA = pa.schema(
     [

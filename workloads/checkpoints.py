@@ -10,7 +10,8 @@ import json
 import re
 from typing import Any
 
-from gpudoor_pipelines.transit.bucket import MANIFEST_NAME, join, list_uris, read_bytes
+from gpudoor_pipelines.transit.bucket import MANIFEST_NAME
+from gpudoor_pipelines.transit.uris import join, list_uris, read_bytes
 
 MODEL_FILE = "model.pt"
 _STEP_MANIFEST = re.compile(r"/step-(\d+)/" + re.escape(MANIFEST_NAME) + "$")

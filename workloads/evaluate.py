@@ -46,7 +46,7 @@ import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gpudoor_pipelines.transit.bucket import bucket_for_uri, join, read_bytes, write_bytes
+from gpudoor_pipelines.transit.uris import bucket_for_uri, join, read_bytes, write_bytes
 from workloads.checkpoints import checkpoint_file_uri
 from workloads.config import ConfigError, env_int, env_str, run_main
 from workloads.reporting import open_reporting, saved

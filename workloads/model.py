@@ -12,7 +12,7 @@ from PIL import Image
 from torch import nn
 
 from gpudoor_pipelines.data.synthetic import COLORS, SHAPES, is_heldout
-from gpudoor_pipelines.transit.bucket import read_bytes
+from gpudoor_pipelines.transit.uris import read_bytes
 from workloads.checkpoints import checkpoint_file_uri
 
 IMAGE_SIZE = 32

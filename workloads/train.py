@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from gpudoor_pipelines.transit.bucket import bucket_for_uri, write_bytes
+from gpudoor_pipelines.transit.uris import bucket_for_uri, write_bytes
 from workloads.checkpoints import latest_checkpoint, read_manifest
 from workloads.config import ConfigError, env_flag, env_float, env_int, env_str, node_rank, run_main
 from workloads.reporting import open_reporting, saved

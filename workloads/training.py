@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gpudoor_pipelines.transit.bucket import join, publish, read_bytes
+from gpudoor_pipelines.transit.uris import join, publish, read_bytes
 from workloads.checkpoints import MODEL_FILE, checkpoint_dir_name, latest_checkpoint
 from workloads.model import (
     build_model,

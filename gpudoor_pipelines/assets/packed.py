@@ -25,9 +25,10 @@ from typing import Any
 
 import dagster as dg
 
-from gpudoor_pipelines.launch.client import BatchResult, PipesSkyPilotClient
+from gpudoor_pipelines.launch.client import PipesSkyPilotClient
 from gpudoor_pipelines.launch.job import JobInfo
 from gpudoor_pipelines.launch.record.goodput import DURABLE_AT
+from gpudoor_pipelines.launch.record.records import BatchResult
 from gpudoor_pipelines.launch.resolve.request import LaunchRequest, ResolvedJob, slug
 from gpudoor_pipelines.transit.bucket import TransitBucket
 

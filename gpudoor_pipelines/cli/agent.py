@@ -1,9 +1,11 @@
 """``gpudoor launch | status | logs | cancel``: the door for people and coding agents, outside Dagster.
 
-An ad-hoc job goes through the same ``resolve`` as the assets (route, fleet rules, labels, caps
-against what is held now) and the same backend (the local one by default, the team's SkyPilot API
-server with ``GPUDOOR_BACKEND=skypilot``). With ``--json`` every answer, errors included, is one
-JSON object on stdout with stable fields, and the exit code says what happened:
+An ad-hoc job goes through the same ``resolve`` as the assets (route, fleet rules, labels, caps against
+what is held now) and the same launcher (:mod:`gpudoor_pipelines.launch.launcher`): the status hub, the
+wait loop that follows a log to the job's end, and the cancel that verifies the release. It runs on the
+local backend by default, on the team's SkyPilot API server with ``GPUDOOR_BACKEND=skypilot``. No Dagster
+is imported. With ``--json`` every answer, errors included, is one JSON object on stdout with stable
+fields, and the exit code says what happened:
 
 | exit | meaning |
 |---|---|
@@ -18,10 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from gpudoor_pipelines.launch.errors import LaunchConfigError
+from gpudoor_pipelines.launch.job import FAILURE_MEANING, JobInfo
 
 EXIT_OK, EXIT_REFUSED, EXIT_JOB_FAILED, EXIT_UNREACHABLE, EXIT_NO_SUCH_JOB = 0, 2, 3, 4, 5
 #: Settings whose failure means the API server cannot be reached (not a problem of the task file).
@@ -45,30 +48,33 @@ class DoorError(Exception):
         return cls(EXIT_REFUSED, "refused before launch", **problems[0], problems=problems)
 
 
-def _client():
-    """The ``skypilot`` resource of the code location, configured from the environment."""
-    import dagster as dg
+def _launcher(**settings: Any):
+    """The launcher the environment configures (as the code location's resources are), its server checked.
 
-    from gpudoor_pipelines.settings import build_resources
+    Raises:
+        DoorError: the settings are wrong or the API server cannot be reached.
+    """
+    from gpudoor_pipelines.launch.launcher import Launcher, settings_from_env
 
-    resources = build_resources()
-    return dg.build_resources({"skypilot": resources["skypilot"]})
+    try:
+        launcher = Launcher.from_settings(settings_from_env(**settings))
+        launcher.backend.check()
+    except LaunchConfigError as e:
+        raise DoorError.of(e) from None
+    return launcher
 
 
-def _reachable(backend) -> None:
-    check = getattr(backend, "check", None)
-    if check is not None:
-        check()
-
-
-def _job_info(info) -> dict[str, Any]:
-    from gpudoor_pipelines.launch.job import FAILURE_MEANING
-
+def _job_info(info: JobInfo) -> dict[str, Any]:
     out = {k: (v.value if hasattr(v, "value") else v) for k, v in dataclasses.asdict(info).items()}
     out["terminal"] = info.state.is_terminal
     out["failed"] = info.state.is_failure
     out["meaning"] = FAILURE_MEANING.get(info.state, "")
     return out
+
+
+def _no_such_job(job_id: str) -> DoorError:
+    return DoorError(EXIT_NO_SUCH_JOB, "no such job", field="job_id", problem=f"the backend has no job {job_id}",
+                     fix="use a job id `gpudoor launch` printed, or `gpudoor status` to list your jobs")  # fmt: skip
 
 
 def launch(
@@ -85,32 +91,21 @@ def launch(
     Raises:
         DoorError: refused before launch (nothing submitted), or the API server cannot be reached.
     """
-    from gpudoor_pipelines.launch.client import submit_routed
     from gpudoor_pipelines.launch.resolve.request import LaunchRequest, resolve
     from gpudoor_pipelines.launch.resolve.specs import load_spec
+    from gpudoor_pipelines.transit.uris import open_bucket, settings_from_env
 
+    launcher = _launcher()
     try:
-        with _client() as resources:
-            client = resources.skypilot
-            backend = client.get_backend()
-            _reachable(backend)
-            bucket = client.transit.get_bucket()
-            request = LaunchRequest(
-                spec=load_spec(spec, client.specs_dir, skypilot=True, strict=False),
-                inputs=bucket.job_env(),
-                secrets=bucket.job_secrets(),
-                env=dict(env or {}),
-                pool=pool,
-                infra=infra,
-                cost_owner=cost_owner,
-                default_cost_owner=client.cost_owner,
-                user=client.launching_user(),
-                step=step,
-            )
-            fleet = client.get_fleet()
-            # Where the API server counts what is held (live_caps: server), nothing is read first.
-            job = resolve(request, fleet, usage=None if fleet.live_caps == "server" else backend.usage())
-            job_id, job = submit_routed(backend, job, request, fleet, lambda line: None)
+        bucket = open_bucket(**settings_from_env())
+        request = LaunchRequest(
+            spec=load_spec(spec, launcher.settings.specs_dir, skypilot=True, strict=False),
+            inputs=bucket.job_env(), secrets=bucket.job_secrets(), env=dict(env or {}), pool=pool, infra=infra,
+            cost_owner=cost_owner, default_cost_owner=launcher.settings.cost_owner, user=launcher.user(), step=step,
+        )  # fmt: skip
+        usage = launcher.usage_now()  # nothing is read where the API server counts what is held (live_caps: server)
+        job = resolve(request, launcher.fleet, usage=usage.result() if usage is not None else None)
+        job_id, job = launcher.submit(job, request)
     except LaunchConfigError as e:
         raise DoorError.of(e) from None
     route = job.route
@@ -131,77 +126,48 @@ def launch(
     }
 
 
-def _backend_call(fn: Callable[[Any], Any]) -> Any:
-    try:
-        with _client() as resources:
-            backend = resources.skypilot.get_backend()
-            _reachable(backend)
-            return fn(backend)
-    except LaunchConfigError as e:
-        raise DoorError.of(e) from None
-
-
-def _no_such_job(job_id: str) -> DoorError:
-    return DoorError(EXIT_NO_SUCH_JOB, "no such job", field="job_id", problem=f"the backend has no job {job_id}",
-                     fix="use a job id `gpudoor launch` printed, or `gpudoor status` to list your jobs")  # fmt: skip
-
-
 def status(job_id: str) -> dict[str, Any]:
     """One job's state, times, recoveries and, once failed, what the failure means."""
-
-    def read(backend):
-        try:
-            return _job_info(backend.status(job_id))
-        except KeyError:
-            raise _no_such_job(job_id) from None
-
-    return _backend_call(read)
+    launcher = _launcher()
+    try:
+        return _job_info(launcher.status(job_id))
+    except KeyError:
+        raise _no_such_job(job_id) from None
 
 
-def logs(job_id: str, *, follow: bool = False, tail: int = 100, poll_s: float = 0.5) -> Iterator[str]:
-    """The job's last ``tail`` log lines, or (``follow``) every line from the start until the job ends."""
-    with _client() as resources:
-        try:
-            backend = resources.skypilot.get_backend()
-            _reachable(backend)
-            backend.status(job_id)
-        except KeyError:
-            raise _no_such_job(job_id) from None
-        except LaunchConfigError as e:
-            raise DoorError.of(e) from None
-        if not follow:
-            yield from backend.log_tail(job_id, tail)
-            return
-        follower = backend.follow_logs(job_id)
-        try:
-            while True:
-                done = backend.status(job_id).state.is_terminal
-                yield from follower.poll()
-                if done:
-                    yield from follower.poll()
-                    return
-                time.sleep(poll_s)
-        finally:
-            follower.close()
+def logs(job_id: str, *, tail: int = 100) -> list[str]:
+    """The job's last ``tail`` log lines."""
+    launcher = _launcher()
+    try:
+        launcher.status(job_id)
+    except KeyError:
+        raise _no_such_job(job_id) from None
+    return launcher.backend.log_tail(job_id, tail)
 
 
-def cancel(job_id: str, *, wait_s: float = 60.0, poll_s: float = 0.5) -> dict[str, Any]:
-    """Cancels the job and waits (up to ``wait_s``) until the backend says it has ended."""
+def follow(job_id: str, on_line: Callable[[str], None]) -> dict[str, Any]:
+    """Every line of the job's log from the start, to ``on_line``, until the job ends; returns its end state."""
+    from gpudoor_pipelines.launch.launcher import Hooks
 
-    def stop(backend):
-        try:
-            backend.status(job_id)
-        except KeyError:
-            raise _no_such_job(job_id) from None
-        backend.cancel(job_id)
-        deadline = time.monotonic() + wait_s
-        info = backend.status(job_id)
-        while not info.state.is_terminal and time.monotonic() < deadline:
-            time.sleep(poll_s)
-            info = backend.status(job_id)
-        return {**_job_info(info), "cancel_confirmed": info.state.is_terminal}
+    launcher = _launcher()
+    try:
+        launcher.status(job_id)
+        watched = launcher.wait([job_id], Hooks(line=on_line), forward_termination=False)
+    except KeyError:
+        raise _no_such_job(job_id) from None
+    return _job_info(watched.infos[job_id])
 
-    return _backend_call(stop)
+
+def cancel(job_id: str, *, wait_s: float = 60.0) -> dict[str, Any]:
+    """Cancels the job and verifies its release, as a Dagster step's cancel does: the job terminal and what
+    it held gone (its processes, its cluster), looked at for up to ``wait_s``."""
+    launcher = _launcher(cancel_timeout_s=wait_s)
+    try:
+        outcome = launcher.cancel(job_id)
+        info = launcher.backend.status(job_id)
+    except KeyError:
+        raise _no_such_job(job_id) from None
+    return {**_job_info(info), "cancel_confirmed": outcome.confirmed, "release": outcome.to_record()}
 
 
 def final_code(info: Mapping[str, Any]) -> int:
@@ -211,17 +177,15 @@ def final_code(info: Mapping[str, Any]) -> int:
 
 def recent_jobs(days: float = 7.0) -> list[dict[str, Any]]:
     """The launching user's jobs of the last ``days``, newest first (read by label from the backend)."""
+    from gpudoor_pipelines.launch.resolve.fleet import label_value
 
-    def read(backend):
-        with _client() as resources:
-            me = resources.skypilot.launching_user()
-        from gpudoor_pipelines.launch.resolve.fleet import label_value
-
-        now = time.time()
-        since = now - days * 86400
-        history = backend.job_history(since, now, submitted_after=since)  # pending jobs included
-        mine = [j for j in history if j.user == label_value(me)]
-        mine.sort(key=lambda j: j.started_at or now, reverse=True)
-        return [{**{k: (v.value if hasattr(v, "value") else v) for k, v in dataclasses.asdict(j).items()}} for j in mine]
-
-    return _backend_call(read)
+    launcher = _launcher()
+    now = time.time()
+    since = now - days * 86400
+    try:
+        history = launcher.backend.job_history(since, now, submitted_after=since)  # pending jobs included
+    except LaunchConfigError as e:
+        raise DoorError.of(e) from None
+    mine = [j for j in history if j.user == label_value(launcher.user())]
+    mine.sort(key=lambda j: j.started_at or now, reverse=True)
+    return [{k: (v.value if hasattr(v, "value") else v) for k, v in dataclasses.asdict(j).items()} for j in mine]

@@ -190,9 +190,10 @@ def _follow(args: argparse.Namespace, job_id: str) -> int:
 
     from gpudoor_pipelines.cli import agent
 
-    for line in agent.logs(job_id, follow=True):
+    def show(line: str) -> None:
         print(json.dumps({"job_id": job_id, "line": line}) if args.json else line, flush=True)
-    info = agent.status(job_id)
+
+    info = agent.follow(job_id, show)
     if args.json:
         print(json.dumps(info, default=str))
     else:

@@ -26,12 +26,12 @@ from pathlib import Path
 
 from gpudoor_pipelines.transit.bucket import (
     LocalTransitBucket,
-    S3TransitBucket,
     TransitBucket,
     TransitConfigError,
     TransitObjectMissing,
-    bucket_for_uri,
 )
+from gpudoor_pipelines.transit.s3 import S3TransitBucket
+from gpudoor_pipelines.transit.uris import bucket_for_uri
 
 IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
 """File name extensions listed as images (compared case-insensitively)."""

@@ -1,8 +1,5 @@
-"""The path SkyPilot's config names for the fleet's admin policy: ``gpudoor_pipelines.launch.policy.GpuDoorPolicy``.
-
-The policy lives in :mod:`gpudoor_pipelines.launch.server.policy` (what only the API server runs); this
-module keeps the one config line every team's API server already has working.
-"""
+"""The admin policy's earlier path, ``gpudoor_pipelines.launch.policy.GpuDoorPolicy``, kept for API servers
+whose SkyPilot config still names it; the policy itself is :mod:`gpudoor_pipelines.launch.server.policy`."""
 
 from gpudoor_pipelines.launch.server.policy import GpuDoorPolicy
 

@@ -21,8 +21,8 @@ from typing import Any
 import dagster as dg
 from upath import UPath
 
-from .bucket import TransitBucket, TransitObjectMissing
-from .resource import TransitBucketResource
+from gpudoor_pipelines.transit.bucket import TransitBucket, TransitObjectMissing
+from gpudoor_pipelines.transit.resource import TransitBucketResource
 
 PARQUET, REF, PICKLE = ".parquet", ".ref.json", ".pickle"
 

@@ -14,7 +14,8 @@ from typing import Any
 
 import dagster as dg
 
-from .bucket import S3TransitBucket, TransitBucket
+from gpudoor_pipelines.transit.bucket import TransitBucket
+from gpudoor_pipelines.transit.s3 import S3TransitBucket
 
 logger = logging.getLogger(__name__)
 

@@ -3,24 +3,12 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import dagster as dg
 from pydantic import Field, PrivateAttr
 
-from .bucket import LocalTransitBucket, S3TransitBucket, TransitBucket, TransitConfigError
-
-_SECRETS = {
-    "access_key_id": "GPUDOOR_S3_ACCESS_KEY_ID",
-    "secret_access_key": "GPUDOOR_S3_SECRET_ACCESS_KEY",
-    "aws_session_token": "GPUDOOR_S3_SESSION_TOKEN",
-}
-
-
-def default_local_root() -> Path:
-    """``$GPUDOOR_HOME/transit`` if GPUDOOR_HOME is set, else ``~/.gpudoor/transit``."""
-    home = os.environ.get("GPUDOOR_HOME")
-    return (Path(home).expanduser() if home else Path.home() / ".gpudoor") / "transit"
+from gpudoor_pipelines.transit.bucket import TransitBucket
+from gpudoor_pipelines.transit.uris import ENV_SECRETS, open_bucket, settings_from_env
 
 
 def _plain(value: object) -> object:
@@ -59,27 +47,9 @@ class TransitBucketResource(dg.ConfigurableResource):
         return self._bucket
 
     def _build(self) -> TransitBucket:
-        kind, bucket = str(_plain(self.kind) or "local").strip().lower(), _plain(self.bucket)
-        if kind == "local":
-            root = _plain(self.local_root)
-            return LocalTransitBucket(Path(root).expanduser() if root else default_local_root())
-        if kind != "s3":
-            raise TransitConfigError(
-                f"unknown transit kind {kind!r}: set `kind` (GPUDOOR_TRANSIT) to local/s3"
-            )
-        if not bucket:
-            raise TransitConfigError("transit kind is 's3' but no `bucket` (GPUDOOR_S3_BUCKET) is set")
-        return S3TransitBucket(
-            bucket,
-            _plain(self.prefix) or "",
-            endpoint_url=_plain(self.endpoint_url) or None,
-            region=_plain(self.region) or "us-east-1",
-            access_key_id=_plain(self.access_key_id),
-            secret_access_key=_plain(self.secret_access_key),
-            session_token=_plain(self.aws_session_token),
-            max_attempts=_plain(self.max_attempts),
-            verify=_plain(self.verify),
-        )
+        names = ("kind", "local_root", "bucket", "prefix", "endpoint_url", "region", "access_key_id",
+                 "secret_access_key", "aws_session_token", "max_attempts", "verify")  # fmt: skip
+        return open_bucket(**{name: _plain(getattr(self, name)) for name in names})
 
 
 def bucket_from_env() -> TransitBucketResource:
@@ -92,11 +62,6 @@ def bucket_from_env() -> TransitBucketResource:
     """
     env = os.environ
     return TransitBucketResource(
-        kind=env.get("GPUDOOR_TRANSIT", "").strip().lower() or "local",
-        local_root=env.get("GPUDOOR_TRANSIT_ROOT") or None,
-        bucket=env.get("GPUDOOR_S3_BUCKET") or None,
-        prefix=env.get("GPUDOOR_S3_PREFIX", ""),
-        endpoint_url=env.get("GPUDOOR_S3_ENDPOINT_URL") or None,
-        region=env.get("GPUDOOR_S3_REGION") or "us-east-1",
-        **{field: dg.EnvVar(var) for field, var in _SECRETS.items() if env.get(var)},
+        **settings_from_env(secrets=False),
+        **{field: dg.EnvVar(var) for field, var in ENV_SECRETS.items() if env.get(var)},
     )

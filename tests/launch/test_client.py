@@ -181,8 +181,8 @@ def test_job_env_json_has_no_secrets(tmp_path, monkeypatch):
 def test_a_batch_reports_each_preemption_of_a_rank_once():
     """A rank seen entering RECOVERING is one preemption; a recovery count that rose between two polls
     (RECOVERING never seen) is one too; seeing it RUNNING again afterwards is none."""
-    from gpudoor_pipelines.launch.client import _report_preemptions
     from gpudoor_pipelines.launch.job import JobInfo, JobState
+    from gpudoor_pipelines.launch.record.goodput import report_preemptions as _report_preemptions
 
     def polls(*states: tuple[JobState, int]) -> list[tuple[int, float]]:
         seen, reported, before = [], {}, {}

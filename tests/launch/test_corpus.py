@@ -32,7 +32,7 @@ from gpudoor_pipelines.launch.resolve.specs import load_spec
 
 CORPUS = Path(__file__).parent / "corpus"
 FILES = sorted(CORPUS.glob("*.yaml"))
-POLICY = "gpudoor_pipelines.launch.policy.GpuDoorPolicy"
+POLICY = "gpudoor_pipelines.launch.server.policy.GpuDoorPolicy"
 #: Files whose refusal rests on what only the file shows; the server judges what it receives.
 SERVER_CANNOT_SEE = {
     "47-secret-literal.yaml": "a secret's value in the file reaches the server like a value passed with --secret",

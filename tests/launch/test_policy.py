@@ -13,7 +13,7 @@ import yaml
 
 from tests.conftest import SPECS_DIR
 
-POLICY = "gpudoor_pipelines.launch.policy.GpuDoorPolicy"
+POLICY = "gpudoor_pipelines.launch.server.policy.GpuDoorPolicy"
 
 
 @pytest.fixture(scope="module")

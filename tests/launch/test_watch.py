@@ -14,17 +14,19 @@ import pytest
 
 from gpudoor_pipelines.launch.backends import sky_sdk
 from gpudoor_pipelines.launch.backends import skypilot as skypilot_backend
-from gpudoor_pipelines.launch.client import PipesSkyPilotClient, _Redactor
+from gpudoor_pipelines.launch.launcher import Launcher, LaunchSettings
+from gpudoor_pipelines.launch.resolve.fleet import load_fleet
 from gpudoor_pipelines.launch.watch import Backoff, status_hub
-from gpudoor_pipelines.transit.resource import TransitBucketResource
 from tests.launch.fake_sky import FakeSky, Status
-from tests.launch.watch_fakes import TimedBackend, quiet_context
+from tests.launch.watch_fakes import TimedBackend
 
 
-def _client(tmp_path, **kwargs) -> PipesSkyPilotClient:
-    return PipesSkyPilotClient(
-        transit=TransitBucketResource(kind="local", local_root=str(tmp_path / "transit")), **kwargs
-    )
+def _client(tmp_path, **kwargs) -> LaunchSettings:
+    return LaunchSettings(**kwargs)
+
+
+def _wait(settings: LaunchSettings, backend, job_id: str):
+    return Launcher(backend, load_fleet(), settings).wait([job_id]).infos[job_id]
 
 
 def _watch_all(client, backend, job_ids) -> dict[str, float]:
@@ -32,7 +34,7 @@ def _watch_all(client, backend, job_ids) -> dict[str, float]:
     returned: dict[str, float] = {}
 
     def watch(job_id: str) -> None:
-        info = client._wait_for_completion(quiet_context(), backend, job_id, _Redactor({}))
+        info = _wait(client, backend, job_id)
         assert info.state.value == "SUCCEEDED"
         returned[job_id] = time.monotonic()
 
@@ -82,7 +84,7 @@ def test_an_unknown_job_is_an_error_not_a_wait(tmp_path):
     assert hub.get(["nope"]) == {}
     client = _client(tmp_path, poll_interval_s=0.1)
     with pytest.raises(KeyError, match="no job nope"):
-        client._wait_for_completion(quiet_context(), backend, "nope", _Redactor({}))
+        _wait(client, backend, "nope")
 
 
 def test_the_team_usage_is_read_once_for_launches_close_together_and_again_after_a_submit(monkeypatch):

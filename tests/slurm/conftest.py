@@ -233,7 +233,7 @@ def _bring_up() -> None:
         pytest.skip("Slurm test bed is not up and testbed/up.sh needs root")
     started = time.time()
     # The bed runs the project's admin policy, as a team's API server does.
-    env = {"GPUDOOR_TESTBED_ADMIN_POLICY": "gpudoor_pipelines.launch.policy.GpuDoorPolicy", **os.environ}
+    env = {"GPUDOOR_TESTBED_ADMIN_POLICY": "gpudoor_pipelines.launch.server.policy.GpuDoorPolicy", **os.environ}
     # Its output goes to a file, not a pipe: the daemons it starts would hold a pipe open, and a wait for
     # the pipe's end would outlive the timeout.
     log = TESTBED_DIR / ".bring-up.log"

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 import pytest
 from transit_helpers import empty_and_delete_bucket, make_s3_bucket, raw_client
 
-from gpudoor_pipelines.transit.bucket import LocalTransitBucket, S3TransitBucket
+from gpudoor_pipelines.transit.bucket import LocalTransitBucket
+from gpudoor_pipelines.transit.s3 import S3TransitBucket
 
 
 @pytest.fixture

@@ -31,8 +31,9 @@ from gpudoor_pipelines.data.datasets import (
     shard_prefix,
     write_synthetic,
 )
-from gpudoor_pipelines.transit import bucket as transit
-from gpudoor_pipelines.transit.bucket import S3TransitBucket, TransitBucket
+from gpudoor_pipelines.transit import uris as transit
+from gpudoor_pipelines.transit.bucket import TransitBucket
+from gpudoor_pipelines.transit.s3 import S3TransitBucket
 
 MODEL = "color-shape-v1"
 

@@ -18,10 +18,10 @@ from gpudoor_pipelines.transit.bucket import (
     MANIFEST_NAME,
     TMP_PREFIX,
     LocalTransitBucket,
-    S3TransitBucket,
     TransitBucket,
     TransitObjectMissing,
 )
+from gpudoor_pipelines.transit.s3 import S3TransitBucket
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -192,7 +192,8 @@ _KILLED_PUBLISHER = r"""
 import json, shutil, sys, time
 args = json.loads(sys.argv[1])
 sys.path.insert(0, args["repo"])
-from gpudoor_pipelines.transit.bucket import LocalTransitBucket, S3TransitBucket
+from gpudoor_pipelines.transit.bucket import LocalTransitBucket
+from gpudoor_pipelines.transit.s3 import S3TransitBucket
 
 def stall(*_, **__):
     print("PART", flush=True)
@@ -260,7 +261,7 @@ def test_publish_killed_writer_leaves_no_manifest_and_no_partial_object(request,
 
 _IMPORTS = r"""
 import sys
-import gpudoor_pipelines.transit.bucket
+import gpudoor_pipelines.transit.bucket, gpudoor_pipelines.transit.uris, gpudoor_pipelines.transit.s3
 import workloads.caption, workloads.checkpoints, workloads.evaluate, workloads.model, workloads.serve
 import workloads.train, workloads.training
 loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("dagster", "dagster_aws", "upath"))

@@ -5,9 +5,10 @@ import pandas as pd
 import pytest
 from transit_helpers import TEST_KEY_ID, TEST_REGION, TEST_SECRET
 
-from gpudoor_pipelines.transit.bucket import LocalTransitBucket, S3TransitBucket, TransitConfigError
+from gpudoor_pipelines.transit.bucket import LocalTransitBucket, TransitConfigError
 from gpudoor_pipelines.transit.io_manager import TransitIOManager, TransitRef
 from gpudoor_pipelines.transit.resource import TransitBucketResource, bucket_from_env
+from gpudoor_pipelines.transit.s3 import S3TransitBucket
 
 
 @pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])

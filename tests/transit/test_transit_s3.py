@@ -24,7 +24,8 @@ from transit_helpers import (
     raw_client,
 )
 
-from gpudoor_pipelines.transit.bucket import S3TransitBucket, TransitConfigError
+from gpudoor_pipelines.transit.bucket import TransitConfigError
+from gpudoor_pipelines.transit.s3 import S3TransitBucket
 
 pytestmark = pytest.mark.s3
 
@@ -308,7 +309,7 @@ def test_job_env_lets_a_plain_boto3_job_reach_the_bucket(s3_bucket: S3TransitBuc
 
     # and so can a workload, through the storage layer's URI functions
     script = (
-        "import sys; from gpudoor_pipelines.transit.bucket import read_bytes; "
+        "import sys; from gpudoor_pipelines.transit.uris import read_bytes; "
         "sys.stdout.write(read_bytes(f's3://{sys.argv[1]}/transit/for-the-job').decode())"
     )
     out = subprocess.run(

@@ -8,7 +8,7 @@ import socket
 import urllib.request
 from collections.abc import Iterator
 
-from gpudoor_pipelines.transit.bucket import S3TransitBucket
+from gpudoor_pipelines.transit.s3 import S3TransitBucket
 
 TEST_KEY_ID = "testing-key-id"
 TEST_SECRET = "testing-secret-key-value"

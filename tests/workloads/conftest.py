@@ -32,7 +32,8 @@ from workload_helpers import (
     write_batch,
 )
 
-from gpudoor_pipelines.transit import bucket as storage
+from gpudoor_pipelines.transit import uris as storage
+from gpudoor_pipelines.transit.bucket import MANIFEST_NAME
 
 NUM_IMAGES = 100
 
@@ -162,11 +163,11 @@ def train_runs(bucket: str, dataset: str, tmp_path_factory: pytest.TempPathFacto
     )
     smoke = start_workload("train", logs / "smoke.log", **smoke_env)
     first = start_workload("train", logs / "first.log", **dict(env, WORKLOAD_THROTTLE_S="0.1"))
-    first_manifest = storage.join(output, f"step-{CHECKPOINT_EVERY:06d}", storage.MANIFEST_NAME)
+    first_manifest = storage.join(output, f"step-{CHECKPOINT_EVERY:06d}", MANIFEST_NAME)
     wait_for(lambda: exists(first_manifest), first, "the first checkpoint", logs / "first.log")
     first.send_signal(signal.SIGKILL)
     first.wait(timeout=PATIENCE_S)
-    killed_before_end = not exists(storage.join(output, f"step-{MAX_STEPS:06d}", storage.MANIFEST_NAME))
+    killed_before_end = not exists(storage.join(output, f"step-{MAX_STEPS:06d}", MANIFEST_NAME))
     smoke_rc = smoke.wait(timeout=PATIENCE_S)
 
     two_node_env = dict(

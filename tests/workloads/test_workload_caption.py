@@ -28,7 +28,8 @@ from workload_helpers import (
 )
 
 from gpudoor_pipelines.data.synthetic import generate_image
-from gpudoor_pipelines.transit import bucket as storage
+from gpudoor_pipelines.transit import uris as storage
+from gpudoor_pipelines.transit.bucket import MANIFEST_NAME
 
 PART_COLUMNS = ["image_uri", "image_id", "caption", "model", "error"]
 
@@ -110,7 +111,7 @@ def test_each_shard_is_written_as_parts_then_a_manifest(night):
         assert manifest["parts"] == [uri.rsplit("/", 1)[-1] for uri in parts]
         assert manifest["model"] == "color-shape-v1"
         # The manifest is written last.
-        manifest_mtime = _mtime(storage.join(output, storage.MANIFEST_NAME))
+        manifest_mtime = _mtime(storage.join(output, MANIFEST_NAME))
         assert all(_mtime(uri) <= manifest_mtime for uri in parts)
     assert "shard clean: done, 10 captioned, 0 skipped" in proc.stdout
     assert "shard damaged: done, 5 captioned, 5 skipped" in proc.stdout

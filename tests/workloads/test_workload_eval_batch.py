@@ -18,7 +18,7 @@ from workload_helpers import (
     start_workload,
 )
 
-from gpudoor_pipelines.transit import bucket as storage
+from gpudoor_pipelines.transit import uris as storage
 
 MISSING = "train/step-000099"  # a checkpoint with no model file
 

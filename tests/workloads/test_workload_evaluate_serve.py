@@ -14,7 +14,7 @@ import pytest
 from workload_helpers import PATIENCE_S, free_port, run_under_pipes, start_workload, wait_for
 
 from gpudoor_pipelines.data.synthetic import COLORS, SHAPES
-from gpudoor_pipelines.transit import bucket as storage
+from gpudoor_pipelines.transit import uris as storage
 
 
 @pytest.fixture(scope="module")

@@ -24,11 +24,12 @@ from workload_helpers import (
     wait_for,
 )
 
-from gpudoor_pipelines.transit import bucket as storage
+from gpudoor_pipelines.transit import uris as storage
+from gpudoor_pipelines.transit.bucket import MANIFEST_NAME
 
 
 def _manifest(output: str, step: int) -> dict:
-    return json.loads(storage.read_bytes(storage.join(output, f"step-{step:06d}", storage.MANIFEST_NAME)))
+    return json.loads(storage.read_bytes(storage.join(output, f"step-{step:06d}", MANIFEST_NAME)))
 
 
 def _steps(output: str) -> list[int]:
@@ -155,7 +156,7 @@ def ended_runs(bucket: str, dataset: str, tmp_path_factory: pytest.TempPathFacto
             procs[name] = start_workload("train", logs / f"{name}.log", **run_env)
     try:
         for name, signum in signalled.items():
-            first = storage.join(envs[name]["OUTPUT_URI"], "step-000002", storage.MANIFEST_NAME)
+            first = storage.join(envs[name]["OUTPUT_URI"], "step-000002", MANIFEST_NAME)
             wait_for(lambda uri=first: exists(uri), procs[name], "the first checkpoint", logs / f"{name}.log")
             procs[name].send_signal(signum)
         codes = {name: proc.wait(timeout=PATIENCE_S) for name, proc in procs.items()}

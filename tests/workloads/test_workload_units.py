@@ -12,7 +12,8 @@ import pytest
 from workload_helpers import exists
 
 from gpudoor_pipelines.data.synthetic import COLORS, SHAPES, generate_image, image_id, is_heldout
-from gpudoor_pipelines.transit import bucket as storage
+from gpudoor_pipelines.transit import s3
+from gpudoor_pipelines.transit import uris as storage
 
 
 def test_file_storage_round_trip(tmp_path):
@@ -45,7 +46,7 @@ def test_s3_storage_round_trip(monkeypatch):
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     # the buckets, and the boto3 session their clients come from, must be made under the mock
     storage._bucket_for.cache_clear()
-    storage._session.cache_clear()
+    s3._session.cache_clear()
     try:
         with moto.mock_aws():
             boto3.client("s3").create_bucket(Bucket="transit")
@@ -63,7 +64,7 @@ def test_s3_storage_round_trip(monkeypatch):
                 storage.read_bytes("s3://transit/run/nope")
     finally:
         storage._bucket_for.cache_clear()  # the cached clients belong to the mock
-        storage._session.cache_clear()
+        s3._session.cache_clear()
 
 
 def test_generate_image_is_deterministic_and_varied():

@@ -17,7 +17,8 @@ from typing import Any
 import pandas as pd
 
 from gpudoor_pipelines.data.synthetic import caption_text, generate_image, image_id
-from gpudoor_pipelines.transit import bucket as storage
+from gpudoor_pipelines.transit import uris as storage
+from gpudoor_pipelines.transit.bucket import MANIFEST_NAME
 
 ROOT = Path(__file__).resolve().parents[2]
 # Upper bound for any one wait: generous, because a loaded CI runner can be many times slower.
@@ -163,7 +164,7 @@ def read_parts(output_uri: str) -> pd.DataFrame:
 
 def read_manifest(folder_uri: str) -> dict[str, Any] | None:
     """The published manifest of ``folder_uri``, or None."""
-    uri = storage.join(folder_uri, storage.MANIFEST_NAME)
+    uri = storage.join(folder_uri, MANIFEST_NAME)
     return json.loads(storage.read_bytes(uri)) if exists(uri) else None
 
 

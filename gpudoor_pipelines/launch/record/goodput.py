@@ -23,7 +23,8 @@ Goodput is useful GPU-hours ÷ GPU-hours held, useful being held minus lost.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from gpudoor_pipelines.launch.job import JobInfo, JobState
@@ -90,6 +91,16 @@ class PreemptionCost:
         """Useful GPU-hours ÷ GPU-hours held; 1.0 for a job that held nothing."""
         return (self.held_s - self.lost_s) / self.held_s if self.held_s > 0 else 1.0
 
+    def summary(self, job_id: str) -> str:
+        """What the preemptions of job ``job_id`` cost, in words: one line, then one per preemption."""
+        lines = [f"Job {job_id} was preempted {len(self.preemptions)} time(s) and recovered: "
+                 f"{self.gpu_hours_lost:.3f} of {self.gpu_hours_held:.3f} GPU-hours held were lost (goodput {self.goodput:.1%})."]  # fmt: skip
+        for p in self.preemptions:
+            saved = "nothing saved before it" if p.last_saved_at is None else f"last save {p.seen_at - p.last_saved_at:.0f} s before"
+            seen = time.strftime("%H:%M:%S", time.localtime(p.seen_at))
+            lines.append(f"- preempted (seen) at {seen}, {saved}: {p.lost_s:.0f} s of work lost")
+        return "\n".join(lines)
+
     def to_metadata(self) -> dict[str, Any]:
         """The figures under the names the materialization shows."""
         return {
@@ -155,3 +166,31 @@ def preemption_cost(
     held = ran_s if ran_s is not None else sum(end - begin for begin, end, _ in stretches)
     return PreemptionCost(recoveries=max(recoveries, len(preemptions), entered), held_s=max(0.0, held),
                           preemptions=tuple(preemptions), gpus=gpus)  # fmt: skip
+
+
+def report_preemptions(job_ids: Sequence[str], before: Mapping[str, JobInfo], now: Mapping[str, JobInfo],
+                       reported: dict[str, int], report: Callable[[int, JobInfo, float], None]) -> None:  # fmt: skip
+    """Calls ``report`` once per preemption of each rank since the last poll: a rank seen entering RECOVERING,
+    or whose recovery count rose past what was reported.
+
+    A job waiting for a new worker goes back and forth between RECOVERING and PENDING: only its first entry
+    into RECOVERING after it last ran counts (``reported`` keeps, under ``<job id>/ran``, whether it ran since).
+    """
+    at = time.time()
+    for rank, job_id in enumerate(job_ids):
+        info = now.get(job_id)
+        if info is None:
+            continue
+        old = before.get(job_id)
+        done = reported.get(job_id, 0)
+        ran_key = f"{job_id}/ran"
+        fresh = done == 0 or reported.get(ran_key, 0) == 1
+        entered = info.state is JobState.RECOVERING and (old is None or old.state is not JobState.RECOVERING) and fresh
+        events = max(done + (1 if entered else 0), info.recoveries)
+        for _ in range(events - done):
+            report(rank, info, at)
+        if events > done:
+            reported[ran_key] = 0
+        if info.state is JobState.RUNNING:
+            reported[ran_key] = 1
+        reported[job_id] = events

@@ -2,7 +2,7 @@
 
 Enable it on the API server (and on clients) with one line of SkyPilot config::
 
-    admin_policy: gpudoor_pipelines.launch.policy.GpuDoorPolicy
+    admin_policy: gpudoor_pipelines.launch.server.policy.GpuDoorPolicy
 
 Every task launched through the server, by the Dagster pipeline, a person or an agent, is checked by
 :func:`~gpudoor_pipelines.launch.resolve.specs.task_problems`, routed by
