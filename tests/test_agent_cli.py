@@ -132,3 +132,28 @@ def test_on_skypilot_status_lists_the_agents_jobs_of_the_week_pending_ones_too(c
     assert [(j["job_id"], j["state"]) for j in listed["jobs"]] == [("1", "PENDING"), ("2", "SUCCEEDED")]
     (request,) = fake.queue_requests
     assert request["submitted_after"] == pytest.approx(now - 7 * 86400, abs=60) and request["all_users"]
+
+
+def test_an_agents_cancel_verifies_the_release_like_a_steps(tmp_path, capsys):
+    """``gpudoor cancel`` goes through the launcher's verified release: it answers once the job is terminal and
+    its whole process tree is gone, and says what it looked at."""
+    import os
+
+    spec = _task(tmp_path, "holder", "sleep 300 & echo child=$!; wait")
+    code, launched = _run(capsys, "launch", spec, "--json")
+    assert code == 0
+    job = launched["job_id"]
+    deadline, child = time.monotonic() + 30, None
+    while time.monotonic() < deadline and child is None:
+        code, shown = _run(capsys, "logs", job, "--json")
+        child = next((int(line.split("=", 1)[1]) for line in shown["lines"] if line.startswith("child=")), None)
+        time.sleep(0.2)
+    assert child is not None
+    code, cancelled = _run(capsys, "cancel", job, "--json")
+    assert code == 0 and cancelled["state"] == "CANCELLED" and cancelled["cancel_confirmed"] is True
+    release = cancelled["release"]
+    assert release["kind"] == "job" and release["id"] == job and release["confirmed"] is True
+    assert f"job {job}: CANCELLED" in release["seen"] and any(s.startswith("process group") and s.endswith("gone") for s in release["seen"])
+    # The job's own child went with it (gone, or a zombie nobody has reaped yet).
+    stat = f"/proc/{child}/stat"
+    assert not os.path.exists(stat) or open(stat).read().rsplit(")", 1)[1].split()[0] == "Z"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 import time
-import types
 from collections.abc import Sequence
 
 from gpudoor_pipelines.launch.backends.base import Backend, LogFollower
@@ -92,10 +91,3 @@ class TimedBackend(Backend):
 
     def stop_service(self, cluster_name: str) -> bool:
         raise NotImplementedError
-
-
-def quiet_context():
-    """What the client's waiting needs of a Dagster context: a log."""
-    log = types.SimpleNamespace(info=lambda *_: None, debug=lambda *_: None, warning=lambda *_: None,
-                                error=lambda *_: None)  # fmt: skip
-    return types.SimpleNamespace(log=log)
