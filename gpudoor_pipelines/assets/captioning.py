@@ -9,6 +9,7 @@ from gpudoor_pipelines.assets.concurrency import STEP_POOLS
 from gpudoor_pipelines.assets.k8s import cpu_step_tags
 from gpudoor_pipelines.assets.night import CaptionNight, dataset_of
 from gpudoor_pipelines.assets.partitions import SHARDS, shard_partitions
+from gpudoor_pipelines.data import layout
 from gpudoor_pipelines.data.captions import merge_captions
 from gpudoor_pipelines.data.datasets import (
     DatasetSourceError,
@@ -231,7 +232,7 @@ def captioned_dataset(
     dataset = dataset_shards.manifest["dataset"]
     model = config.caption_model or default_caption_model()
     shards = [shard_key(dataset, n) for n in range(int(dataset_shards.manifest["num_shards"]))]
-    result = merge_captions(bucket, model, shards, f"datasets/{dataset}/captioned/{model}")
+    result = merge_captions(bucket, model, shards, f"{layout.DATASETS}/{dataset}/captioned/{model}")
     if not result.shards_merged:
         raise dg.Failure(
             description=f"No shard of dataset '{dataset}' is captioned by {model} yet. Fix: materialize caption_shards first."

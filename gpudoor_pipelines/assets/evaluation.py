@@ -13,6 +13,7 @@ from gpudoor_pipelines.assets.concurrency import STEP_POOLS
 from gpudoor_pipelines.assets.packed import PackedRun
 from gpudoor_pipelines.assets.partitions import checkpoint_partitions
 from gpudoor_pipelines.assets.training import TAG_TRAINING_ID, run_info_key, training_run
+from gpudoor_pipelines.data import layout
 from gpudoor_pipelines.data.checkpoints import check_training_id, checkpoint_prefix, training_of
 from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
 from gpudoor_pipelines.launch.resolve.fleet import load_fleet
@@ -21,14 +22,13 @@ from gpudoor_pipelines.transit.io_manager import TransitRef
 from gpudoor_pipelines.transit.resource import TransitBucketResource
 
 ACCURACY_CHECK = "accuracy_above_chance"
-EVALS_PREFIX = "evals"
 #: Metrics recorded as numbers on each checkpoint's materialization: the UI plots them across checkpoints.
 PLOTTED = ("accuracy", "color_accuracy", "shape_accuracy", "checkpoint_step", "num_examples")
 
 
 def metrics_key(checkpoint: str) -> str:
     """Where a checkpoint's evaluation writes its metrics."""
-    return f"{EVALS_PREFIX}/{checkpoint}/metrics.json"
+    return f"{layout.EVALS}/{checkpoint}/metrics.json"
 
 
 class EvalConfig(LaunchConfig):
@@ -69,7 +69,7 @@ class CheckpointEvals(PackedRun):
             "checkpoint": item,
             "checkpoint_uri": self.bucket.uri(checkpoint_prefix(item)),
             "dataset_uri": self.datasets[training_of(item)],
-            "output_uri": self.bucket.uri(f"{EVALS_PREFIX}/{item}"),
+            "output_uri": self.bucket.uri(f"{layout.EVALS}/{item}"),
         }
 
     def materialize(self, item: str, message: Mapping[str, Any], rank: int | None = None) -> None:
@@ -224,12 +224,12 @@ def best_checkpoint(context: dg.AssetExecutionContext, config: BestConfig, trans
         training, chosen_by = _latest_training(context.instance), "the latest training"
         if training is None:
             raise dg.Failure(description="No training yet. Fix: materialize training_run, or name one in run config (training_id).")
-    keys = [k for k in bucket.list_keys(f"{EVALS_PREFIX}/{training}.") if k.endswith("/metrics.json")]
+    keys = [k for k in bucket.list_keys(f"{layout.EVALS}/{training}.") if k.endswith("/metrics.json")]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda k: {"checkpoint": k.split("/")[1], **json.loads(bucket.get_bytes(k))}, keys))
     if not results:
         raise dg.Failure(
-            description=f"No evaluation of training {training} ({chosen_by}) under {bucket.uri(EVALS_PREFIX)}. "
+            description=f"No evaluation of training {training} ({chosen_by}) under {bucket.uri(layout.EVALS)}. "
             "Fix: materialize checkpoint_evals for its checkpoints first."
         )
     table = pd.DataFrame(results).sort_values(["accuracy", "checkpoint"], ascending=[False, False])

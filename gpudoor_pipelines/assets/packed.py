@@ -25,6 +25,7 @@ from typing import Any
 
 import dagster as dg
 
+from gpudoor_pipelines.data import layout
 from gpudoor_pipelines.launch.client import PipesSkyPilotClient
 from gpudoor_pipelines.launch.job import JobInfo
 from gpudoor_pipelines.launch.record.goodput import DURABLE_AT
@@ -225,7 +226,7 @@ class PackedRun(abc.ABC):
                     for group, env in zip(groups, pipes_envs, strict=True)
                 ],
             }
-            key = f"batches/{self.kind}/{self.context.run.run_id}/wave-{self.report.waves:03d}.json"
+            key = f"{layout.BATCHES}/{self.kind}/{self.context.run.run_id}/wave-{self.report.waves:03d}.json"
             self.bucket.put_bytes(key, json.dumps(batch).encode())
             return {self.batch_env: self.bucket.uri(key)}
 

@@ -7,6 +7,7 @@ from pydantic import Field
 
 from gpudoor_pipelines.assets.common import require_published
 from gpudoor_pipelines.assets.concurrency import STEP_POOLS
+from gpudoor_pipelines.data import layout
 from gpudoor_pipelines.data.checkpoints import (
     check_training_id,
     checkpoint_from_manifest_key,
@@ -119,7 +120,7 @@ def _smoke_then_train(
     smoke_md: dict = {}
     if not config.skip_smoke_test:
         context.log.info("Smoke test on the target GPU before the long run.")
-        inputs = {"DATASET_URI": dataset_uri, "OUTPUT_URI": bucket.uri(f"smoke/{training_id}")}
+        inputs = {"DATASET_URI": dataset_uri, "OUTPUT_URI": bucket.uri(f"{layout.SMOKE}/{training_id}")}
         smoke = skypilot.run(context=context, request=skypilot.request(context, "smoke", inputs=inputs, config=overrides))
         smoke_md = {
             f"smoke_{k}": v

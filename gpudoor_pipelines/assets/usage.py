@@ -15,6 +15,7 @@ import dagster as dg
 import pandas as pd
 
 from gpudoor_pipelines.assets.k8s import cpu_step_tags
+from gpudoor_pipelines.data import layout
 from gpudoor_pipelines.launch.client import PipesSkyPilotClient
 from gpudoor_pipelines.launch.job import JobUsage
 from gpudoor_pipelines.launch.resolve.fleet import Fleet
@@ -34,7 +35,6 @@ COLUMNS = [
     "timed_gpu_hours",
     "goodput",
 ]
-CHART_KEY = "usage/{week}/gpu_hours.png"
 
 
 def week_of(moment: dt.datetime) -> str:
@@ -226,7 +226,7 @@ def gpu_usage(context: dg.AssetExecutionContext, skypilot: PipesSkyPilotClient) 
     pools = sorted({*fleet.pools, *table["pool"]})
     png = chart_png(table, pools, f"GPU-hours per pool and cost owner, week of {week}")
     bucket = skypilot.transit.get_bucket()
-    key = CHART_KEY.format(week=week)
+    key = layout.USAGE_CHART.format(week=week)
     bucket.put_bytes(key, png)
     md = usage_metadata(table, fleet)
     context.add_output_metadata(

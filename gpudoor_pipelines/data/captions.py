@@ -21,12 +21,12 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from gpudoor_pipelines.data import layout
 from gpudoor_pipelines.transit.bucket import MANIFEST_NAME, TransitBucket
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
-CAPTIONS_ROOT = "captions"
 PART_COLUMNS = ("image_uri", "image_id", "caption", "model", "error")
 """Columns of a caption job's part files."""
 MERGED_COLUMNS = ("image_id", "image_uri", "caption", "shard")
@@ -44,13 +44,13 @@ R = TypeVar("R")
 
 def captions_prefix(model: str, shard: str) -> str:
     """Where a shard's captions by ``model`` live: ``captions/<model>/<shard>``."""
-    return f"{CAPTIONS_ROOT}/{model}/{shard}"
+    return f"{layout.CAPTIONS}/{model}/{shard}"
 
 
 def done_shards(bucket: TransitBucket, model: str) -> set[str]:
     """The shards ``model`` has finished (their manifest is published), from one listing of
     ``captions/<model>/``: no request per shard."""
-    root = f"{CAPTIONS_ROOT}/{model}/"
+    root = f"{layout.CAPTIONS}/{model}/"
     done = set()
     for key in bucket.list_keys(root):
         shard, _, name = key[len(root) :].partition("/")

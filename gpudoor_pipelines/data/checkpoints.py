@@ -26,11 +26,9 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from gpudoor_pipelines.data import layout
 from gpudoor_pipelines.transit.bucket import MANIFEST_NAME, TransitBucket
 
-CHECKPOINTS_PREFIX = "checkpoints"
-TRAININGS_PREFIX = "trainings"
-ENDED_DIR = "_ended"
 #: A training id: a single key segment with no ``.`` (a checkpoint's partition key is ``<id>.step-N``).
 TRAINING_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,79}")
 #: Journal entries written up to this long before the newest one seen are read again: a slow writer
@@ -51,7 +49,7 @@ def checkpoint_prefix(partition_key: str) -> str:
     training_id, _, step_dir = partition_key.partition(".")
     if not training_id or not step_dir.startswith("step-"):
         raise ValueError(f"'{partition_key}' is not a checkpoint partition key (<training id>.step-NNNNNN)")
-    return f"{CHECKPOINTS_PREFIX}/{training_id}/{step_dir}"
+    return f"{layout.CHECKPOINTS}/{training_id}/{step_dir}"
 
 
 def training_of(partition_key: str) -> str:
@@ -64,7 +62,7 @@ def checkpoint_from_manifest_key(key: str) -> str | None:
     parts = key.split("/")
     if (
         len(parts) == 4
-        and parts[0] == CHECKPOINTS_PREFIX
+        and parts[0] == layout.CHECKPOINTS
         and parts[2].startswith("step-")
         and parts[3] == MANIFEST_NAME
     ):
@@ -74,7 +72,7 @@ def checkpoint_from_manifest_key(key: str) -> str | None:
 
 def training_prefix(training_id: str) -> str:
     """Where a training's checkpoints live."""
-    return f"{CHECKPOINTS_PREFIX}/{training_id}"
+    return f"{layout.CHECKPOINTS}/{training_id}"
 
 
 def check_training_id(value: str) -> str:
@@ -108,7 +106,7 @@ def journal_position(t: float) -> str:
     """Where the journal's entries of time ``t`` start: one folder per day, so that a listing from a
     time opens only the days after it, on a local folder as on S3."""
     s = stamp(t)
-    return f"{TRAININGS_PREFIX}/{s[:8]}/{s}"
+    return f"{layout.TRAININGS}/{s[:8]}/{s}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +126,7 @@ class TrainingStart:
     @property
     def ended_key(self) -> str:
         """Where this start's end is recorded, by the job or by the orchestrator."""
-        return f"{training_prefix(self.training_id)}/{ENDED_DIR}/{stamp(self.started_at)}.json"
+        return f"{training_prefix(self.training_id)}/{layout.ENDED_DIR}/{stamp(self.started_at)}.json"
 
 
 def last_checkpoint_key(bucket: TransitBucket, training_id: str) -> str | None:
@@ -229,7 +227,7 @@ class _Scan:
     def read_journal(self) -> None:
         """Trainings (re)started since the last tick join the watch list."""
         floor = self.journal_last - JOURNAL_LOOKBACK_S
-        for key in self._list(f"{TRAININGS_PREFIX}/", journal_position(max(floor, 0))):
+        for key in self._list(f"{layout.TRAININGS}/", journal_position(max(floor, 0))):
             if key in self.journal_seen:
                 continue
             try:
@@ -304,7 +302,7 @@ class _Scan:
             walk["training"], walk["latest"] = None, []
 
         listed = 0
-        for key in self._list(f"{CHECKPOINTS_PREFIX}/", walk["after"]):
+        for key in self._list(f"{layout.CHECKPOINTS}/", walk["after"]):
             training = key.split("/")[1] if key.count("/") >= 2 else None
             if training != walk["training"]:
                 if self._room < keep:

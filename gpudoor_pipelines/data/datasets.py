@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpudoor_pipelines.data import layout
 from gpudoor_pipelines.transit.bucket import (
     LocalTransitBucket,
     TransitBucket,
@@ -398,7 +399,7 @@ def check_dataset_name(dataset: str) -> str:
 
 def dataset_prefix(dataset: str) -> str:
     """The bucket folder of a dataset: ``datasets/<dataset>``."""
-    return f"datasets/{check_dataset_name(dataset)}"
+    return f"{layout.DATASETS}/{check_dataset_name(dataset)}"
 
 
 def shard_prefix(dataset: str, shard: str) -> str:

@@ -24,6 +24,10 @@ logger = logging.getLogger(__name__)
 MANIFEST_NAME = "_manifest.json"
 """File name of the manifest of a published folder; written last, so its presence means complete."""
 TMP_PREFIX = ".tmp-"
+#: Where Dagster Pipes keeps a session's context and messages while it lives (see ``transit.pipes``).
+PIPES_PREFIX = "_pipes"
+#: Where the IO manager keeps what it stores for assets (see ``transit.io_manager``).
+ASSETS_PREFIX = "assets"
 """Name prefix of local temp files (a write in flight, or killed midway); never listed."""
 MiB = 1024 * 1024
 FileData = bytes | str | os.PathLike

@@ -21,7 +21,7 @@ from typing import Any
 import dagster as dg
 from upath import UPath
 
-from gpudoor_pipelines.transit.bucket import TransitBucket, TransitObjectMissing
+from gpudoor_pipelines.transit.bucket import ASSETS_PREFIX, TransitBucket, TransitObjectMissing
 from gpudoor_pipelines.transit.resource import TransitBucketResource
 
 PARQUET, REF, PICKLE = ".parquet", ".ref.json", ".pickle"
@@ -79,7 +79,7 @@ class _BucketIOManager(dg.UPathIOManager):
 
     def get_asset_relative_path(self, context: dg.InputContext | dg.OutputContext) -> UPath:
         tail = [] if context.has_asset_partitions else ["__all__"]
-        return UPath("assets", *map(_escape, context.asset_key.path), *tail)
+        return UPath(ASSETS_PREFIX, *map(_escape, context.asset_key.path), *tail)
 
     def get_op_output_relative_path(self, context: dg.InputContext | dg.OutputContext) -> UPath:
         return UPath("runs", *(_escape(str(p)) for p in context.get_identifier()))
@@ -184,4 +184,4 @@ class TransitIOManager(dg.ConfigurableIOManagerFactory):
         if isinstance(partition, dg.MultiPartitionKey):
             partition = "/".join(v for _, v in sorted(partition.keys_by_dimension.items()))
         tail = "__all__" if partition is None else _escape(partition)
-        return self.transit.get_bucket().uri("/".join(["assets", *map(_escape, path.path), tail]) + suffix)
+        return self.transit.get_bucket().uri("/".join([ASSETS_PREFIX, *map(_escape, path.path), tail]) + suffix)

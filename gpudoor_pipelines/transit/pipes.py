@@ -14,13 +14,11 @@ from typing import Any
 
 import dagster as dg
 
-from gpudoor_pipelines.transit.bucket import TransitBucket
+from gpudoor_pipelines.transit.bucket import PIPES_PREFIX, TransitBucket
 from gpudoor_pipelines.transit.s3 import S3TransitBucket
 
 logger = logging.getLogger(__name__)
 
-PIPES_PREFIX = "_pipes"
-"""Folder under the bucket root holding Pipes context and message objects while a session lives."""
 
 
 def pipes_context_injector(bucket: TransitBucket) -> dg.PipesContextInjector:
