@@ -53,10 +53,7 @@ def _shards(captions: int, per_shard: int) -> list[str]:
 
 def _captions(start: int, count: int) -> list[str | None]:
     """Deterministic captions; every 50th image has none (the job could not caption it)."""
-    return [
-        None if i % 50 == 7 else f"a {COLORS[i % 6]} {SHAPES[(i // 7) % 3]}"
-        for i in range(start, start + count)
-    ]
+    return [None if i % 50 == 7 else f"a {COLORS[i % 6]} {SHAPES[(i // 7) % 3]}" for i in range(start, start + count)]
 
 
 def generate_parts(root: Path, model: str, captions: int, per_shard: int) -> None:
@@ -227,9 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         # in a child too: a child's ru_maxrss starts from its parent's RSS at the fork, so this process
         # must stay small
         argv = sys.argv[1:] if argv is None else argv
-        subprocess.run(
-            [sys.executable, __file__, *argv, "--case", "generate", "--root", str(work)], check=True
-        )
+        subprocess.run([sys.executable, __file__, *argv, "--case", "generate", "--root", str(work)], check=True)
         print(
             f"generated {sum(sizes):,d} captions in parts and {args.json_captions:,d} as JSON objects "
             f"in {time.perf_counter() - t0:.0f} s ({work}); median of {args.repeat} runs per case:",

@@ -58,8 +58,13 @@ def night(root: Path, shards: int, images_per_shard: int, free_gpus: int) -> dic
     fleet["routes"]["caption"] = ["onprem"]
     (root / "fleet.yaml").write_text(yaml.safe_dump(fleet))
     transit = TransitBucketResource(kind="local", local_root=str(root / "bucket"))
-    skypilot = PipesSkyPilotClient(backend="local", fleet_file=str(root / "fleet.yaml"), local_home=str(root / "home"),
-                                   transit=transit, poll_interval_s=1.0)  # fmt: skip
+    skypilot = PipesSkyPilotClient(
+        backend="local",
+        fleet_file=str(root / "fleet.yaml"),
+        local_home=str(root / "home"),
+        transit=transit,
+        poll_interval_s=1.0,
+    )
     defs = dg.Definitions(
         assets=[dataset_shards, caption_shards, captioned_dataset],
         resources={"transit": transit, "skypilot": skypilot, "io_manager": TransitIOManager(transit=transit)},
@@ -69,16 +74,21 @@ def night(root: Path, shards: int, images_per_shard: int, free_gpus: int) -> dic
     with dg.instance_for_test(temp_dir=str(root / "dagster")) as instance:
         config = {"num_images": shards * images_per_shard, "shard_size": images_per_shard, "image_size": 16}
         t0 = time.perf_counter()
-        assert job.execute_in_process(instance=instance, asset_selection=[dg.AssetKey("dataset_shards")],
-                                      run_config={"ops": {"dataset_shards": {"config": config}}}).success  # fmt: skip
+        assert job.execute_in_process(
+            instance=instance,
+            asset_selection=[dg.AssetKey("dataset_shards")],
+            run_config={"ops": {"dataset_shards": {"config": config}}},
+        ).success
         register_s = time.perf_counter() - t0
         keys = list(instance.get_dynamic_partitions(SHARDS))
         assert len(keys) == shards
         cpu0, t0 = _cpu(), time.perf_counter()
         result = job.execute_in_process(
-            instance=instance, asset_selection=[dg.AssetKey("caption_shards")], raise_on_error=False,
+            instance=instance,
+            asset_selection=[dg.AssetKey("caption_shards")],
+            raise_on_error=False,
             tags={"dagster/asset_partition_range_start": keys[0], "dagster/asset_partition_range_end": keys[-1]},
-        )  # fmt: skip
+        )
         wall, cpu = time.perf_counter() - t0, _cpu() - cpu0
         assert result.success, [e.message for e in result.all_events if e.is_failure][:3]
         materialized = len(instance.get_materialized_partitions(dg.AssetKey("caption_shards")))
@@ -126,7 +136,9 @@ def definitions_load(registered: int, repeat: int = 5) -> dict:
             schedule = defs.get_schedule_def("nightly_captioning_schedule")
             start = datetime.datetime(2026, 12, 1, 1, 0, tzinfo=datetime.UTC)
             transit = TransitBucketResource(kind="local", local_root=tmp)
-            with dg.build_schedule_context(instance=instance, scheduled_execution_time=start, resources={"transit": transit}) as context:
+            with dg.build_schedule_context(
+                instance=instance, scheduled_execution_time=start, resources={"transit": transit}
+            ) as context:
                 t0 = time.perf_counter()
                 schedule.evaluate_tick(context)
                 ticks.append(time.perf_counter() - t0)
@@ -165,9 +177,12 @@ def main() -> None:
     )
 
     small_load, big_load = definitions_load(10), definitions_load(10_000)
-    print(f"definitions load: {small_load['load_s']:.3f} s with 10 shards, {big_load['load_s']:.3f} s with 10,000 "
-          f"(ratio {big_load['load_s'] / small_load['load_s']:.2f}); nightly tick {small_load['tick_s']*1000:.0f} ms vs "
-          f"{big_load['tick_s']*1000:.0f} ms", flush=True)  # fmt: skip
+    print(
+        f"definitions load: {small_load['load_s']:.3f} s with 10 shards, {big_load['load_s']:.3f} s with 10,000 "
+        f"(ratio {big_load['load_s'] / small_load['load_s']:.2f}); nightly tick {small_load['tick_s'] * 1000:.0f} ms vs "
+        f"{big_load['tick_s'] * 1000:.0f} ms",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -102,13 +102,7 @@ class CountingBucket:
 
     def list_keys(self, prefix: str = "", start_after: str | None = None) -> Iterator[str]:
         self.lists += 1
-        part = (
-            "journal"
-            if prefix.startswith("trainings/")
-            else "walk"
-            if prefix == "checkpoints/"
-            else "training"
-        )
+        part = "journal" if prefix.startswith("trainings/") else "walk" if prefix == "checkpoints/" else "training"
         keys = iter(self.bucket.list_keys(prefix, start_after=start_after))
         while True:
             t0 = time.perf_counter()
@@ -160,12 +154,19 @@ class RequestCounter:
 def start_moto() -> tuple[str, subprocess.Popen]:
     """The tests' moto server on a free 127.0.0.1 port, in its own process."""
     proc = subprocess.Popen(
-        [sys.executable, str(REPO / "tests/transit/s3_test_server.py"), "-H", "127.0.0.1", "-p", "0",
-         "--exit-on-stdin-eof"],
+        [
+            sys.executable,
+            str(REPO / "tests/transit/s3_test_server.py"),
+            "-H",
+            "127.0.0.1",
+            "-p",
+            "0",
+            "--exit-on-stdin-eof",
+        ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-    )  # fmt: skip
+    )
     port = proc.stdout.readline().strip()
     if not port.isdigit():
         proc.kill()
@@ -178,11 +179,20 @@ def raw_client(endpoint: str) -> Any:
     from botocore.config import Config
 
     return boto3.session.Session().client(
-        "s3", endpoint_url=endpoint, aws_access_key_id=KEY_ID, aws_secret_access_key=SECRET, region_name=REGION,
-        config=Config(s3={"addressing_style": "path"}, max_pool_connections=UPLOAD_THREADS + 8,
-                      retries={"mode": "standard", "max_attempts": 5}, parameter_validation=False,
-                      request_checksum_calculation="when_required", response_checksum_validation="when_required"),
-    )  # fmt: skip
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id=KEY_ID,
+        aws_secret_access_key=SECRET,
+        region_name=REGION,
+        config=Config(
+            s3={"addressing_style": "path"},
+            max_pool_connections=UPLOAD_THREADS + 8,
+            retries={"mode": "standard", "max_attempts": 5},
+            parameter_validation=False,
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        ),
+    )
 
 
 # ------------------------------------------------------------------------------------------ populate
@@ -197,9 +207,7 @@ class Layout:
             n = min(PER_TRAINING, left)
             left -= n
             started = t0 - 3 * DAY - (finished - i) * 600.0  # 3 days and more before: outside the lookback
-            self.finished.append(
-                (new_training_id(f"{i:08x}", now=started), started, [100 * (j + 1) for j in range(n)])
-            )
+            self.finished.append((new_training_id(f"{i:08x}", now=started), started, [100 * (j + 1) for j in range(n)]))
         self.running: list[tuple[str, float, list[int]]] = []
         for i in range(RUNNING):
             started = t0 - 300.0 + 10.0 * i  # a few minutes before the sensor is turned on
@@ -207,9 +215,7 @@ class Layout:
             self.running.append((new_training_id(f"run{i:05d}", now=started), started, steps))
         self.checkpoints = sum(len(s) for _, _, s in self.finished)
 
-    def objects(
-        self, trainings: list[tuple[str, float, list[int]]], name: str
-    ) -> Iterator[tuple[str, bytes]]:
+    def objects(self, trainings: list[tuple[str, float, list[int]]], name: str) -> Iterator[tuple[str, bytes]]:
         for training, _, steps in trainings:
             for step in steps:
                 body = MODEL_BYTES if name == "model.pt" else manifest_bytes(step)
@@ -232,18 +238,14 @@ def populate_local(bucket: LocalTransitBucket, layout: Layout) -> dict:
     return {"populate_s": time.perf_counter() - t0, "model_files": True, "objects": written + 2 * len(starts)}
 
 
-def populate_s3(
-    bucket: S3TransitBucket, endpoint: str, layout: Layout, model_files: str, budget_s: float
-) -> dict:
+def populate_s3(bucket: S3TransitBucket, endpoint: str, layout: Layout, model_files: str, budget_s: float) -> dict:
     """Journal entries through the product (record_start / record_end), checkpoint objects with boto3
     ``put_object`` from a thread pool; manifests first, then ``model.pt`` if the budget allows."""
     client = raw_client(endpoint)
     t0 = time.perf_counter()
     trainings = layout.finished + layout.running
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        starts: list[TrainingStart] = list(
-            pool.map(lambda t: record_start(bucket, t[0], now=t[1]), trainings)
-        )
+        starts: list[TrainingStart] = list(pool.map(lambda t: record_start(bucket, t[0], now=t[1]), trainings))
 
     def put(item: tuple[str, bytes]) -> None:
         client.put_object(Bucket=bucket.bucket, Key=f"{PREFIX}/{item[0]}", Body=item[1])
@@ -316,9 +318,7 @@ def write_checkpoint(bucket: Any, training: str, step: int) -> str:
     return checkpoint_key(training, step_dir(step))
 
 
-def dagster_ticks(
-    root: Path, bucket: Any, layout: Layout, cursor: dict, now: float, next_step: dict, n: int
-) -> dict:
+def dagster_ticks(root: Path, bucket: Any, layout: Layout, cursor: dict, now: float, next_step: dict, n: int) -> dict:
     """``n`` steady ticks through the real sensor (``new_checkpoint_sensor``), one new checkpoint each."""
     import dagster as dg
 
@@ -327,8 +327,13 @@ def dagster_ticks(
     from gpudoor_pipelines.transit.resource import TransitBucketResource
 
     transit = TransitBucketResource(kind="local", local_root=str(bucket.root))
-    skypilot = PipesSkyPilotClient(backend="local", fleet_file=str(REPO / "task_specs" / "fleet.yaml"),
-                                   local_home=str(root / "home"), transit=transit, validate_with_skypilot=False)  # fmt: skip
+    skypilot = PipesSkyPilotClient(
+        backend="local",
+        fleet_file=str(REPO / "task_specs" / "fleet.yaml"),
+        local_home=str(root / "home"),
+        transit=transit,
+        validate_with_skypilot=False,
+    )
     instance = dg.DagsterInstance.ephemeral()
     scans: list[ScanResult] = []
     real_scan = sensors.scan_checkpoints
@@ -348,9 +353,10 @@ def dagster_ticks(
         with (
             mock.patch.object(sensors, "scan_checkpoints", scan),
             mock.patch.object(sensors, "time", clock) if hasattr(sensors, "time") else contextlib.nullcontext(),
-            dg.build_sensor_context(instance=instance, cursor=cursor_text,
-                                    resources={"transit": transit, "skypilot": skypilot}) as context,
-        ):  # fmt: skip
+            dg.build_sensor_context(
+                instance=instance, cursor=cursor_text, resources={"transit": transit, "skypilot": skypilot}
+            ) as context,
+        ):
             t0 = time.perf_counter()
             result = sensors.new_checkpoint_sensor(context)
             if i:
@@ -383,13 +389,17 @@ def scenario(kind: str, size: int, args: argparse.Namespace, endpoint: str | Non
     else:
         name = f"bench-checkpoints-{size}"
         raw_client(endpoint).create_bucket(Bucket=name)
-        bucket = S3TransitBucket(name, PREFIX, endpoint_url=endpoint, region=REGION, access_key_id=KEY_ID,
-                                 secret_access_key=SECRET)  # fmt: skip
+        bucket = S3TransitBucket(
+            name, PREFIX, endpoint_url=endpoint, region=REGION, access_key_id=KEY_ID, secret_access_key=SECRET
+        )
         pop = populate_s3(bucket, endpoint, layout, args.s3_model_files, args.populate_budget_s)
         requests = RequestCounter(bucket.client)
-    print(f"  {kind} {size:,}: populated {pop['objects']:,} objects in {pop['populate_s']:.0f} s"
-          + ("" if pop["model_files"] else " (only _manifest.json per checkpoint: model.pt left out, too slow to write)")
-          + (f", {pop['puts_per_s']:.0f} puts/s" if "puts_per_s" in pop else ""), flush=True)  # fmt: skip
+    print(
+        f"  {kind} {size:,}: populated {pop['objects']:,} objects in {pop['populate_s']:.0f} s"
+        + ("" if pop["model_files"] else " (only _manifest.json per checkpoint: model.pt left out, too slow to write)")
+        + (f", {pop['puts_per_s']:.0f} puts/s" if "puts_per_s" in pop else ""),
+        flush=True,
+    )
     proxy = CountingBucket(bucket)
     floor = empty_list_s(bucket)
 
@@ -408,9 +418,7 @@ def scenario(kind: str, size: int, args: argparse.Namespace, endpoint: str | Non
     first = turn_on[0]
     assert len(first["result"].checkpoints) <= POLICY.max_checkpoints, "first tick over the cap"
     assert len(handed) == len(set(handed)), "a checkpoint handed out twice"
-    expected_backlog = {
-        checkpoint_key(t, step_dir(steps[-1])) for t, _, steps in layout.finished + layout.running
-    }
+    expected_backlog = {checkpoint_key(t, step_dir(steps[-1])) for t, _, steps in layout.finished + layout.running}
     assert set(handed) == expected_backlog, (
         "turn-on handed out",
         len(handed),
@@ -433,9 +441,7 @@ def scenario(kind: str, size: int, args: argparse.Namespace, endpoint: str | Non
 
     sensor = None
     if kind == "local" and args.dagster_ticks:
-        sensor = dagster_ticks(
-            tmp / f"dagster-{size}", bucket, layout, cursor, now, next_step, args.dagster_ticks
-        )
+        sensor = dagster_ticks(tmp / f"dagster-{size}", bucket, layout, cursor, now, next_step, args.dagster_ticks)
 
     def med(key: str) -> float:
         return statistics.median(t[key] for t in steady)
@@ -485,9 +491,11 @@ def fmt_int(v: float | None) -> str:
 
 def print_table(rows: list[dict]) -> None:
     print()
-    print("| bucket | checkpoints | first tick: s | handed out | lists | exists | keys listed "
-          "| turn-on: ticks | s | handed out | steady tick: s (median) | lists | exists | keys listed "
-          "| HTTP requests | cursor bytes (turn-on max / steady) | empty list |")  # fmt: skip
+    print(
+        "| bucket | checkpoints | first tick: s | handed out | lists | exists | keys listed "
+        "| turn-on: ticks | s | handed out | steady tick: s (median) | lists | exists | keys listed "
+        "| HTTP requests | cursor bytes (turn-on max / steady) | empty list |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
@@ -525,16 +533,20 @@ def print_ratios(rows: list[dict]) -> None:
     print()
     for r in rows:
         p = {k: v * 1000 for k, v in r["steady_parts"].items()}
-        print(f"steady tick, where the time goes ({r['bucket']}, {r['checkpoints']:,}; medians, ms): journal list "
-              f"{p['journal']:.2f}, training lists {p['training']:.2f}, exists {p['exists']:.2f}, journal reads "
-              f"{p['get']:.2f}, the scan's own work {p['scan']:.2f}")  # fmt: skip
+        print(
+            f"steady tick, where the time goes ({r['bucket']}, {r['checkpoints']:,}; medians, ms): journal list "
+            f"{p['journal']:.2f}, training lists {p['training']:.2f}, exists {p['exists']:.2f}, journal reads "
+            f"{p['get']:.2f}, the scan's own work {p['scan']:.2f}"
+        )
     print()
     for r in rows:
         if r["sensor"]:
             s = r["sensor"]
-            print(f"dagster sensor tick ({r['bucket']}, {r['checkpoints']:,} checkpoints): {s['s'] * 1000:.1f} ms median "
-                  f"(bare scan {r['steady_s'] * 1000:.1f} ms, so {(s['s'] - r['steady_s']) * 1000:.1f} ms Dagster), "
-                  f"lists {fmt_int(s['lists'])}, exists {fmt_int(s['exists'])}, run keys e.g. {s['run_keys'][0]!r}")  # fmt: skip
+            print(
+                f"dagster sensor tick ({r['bucket']}, {r['checkpoints']:,} checkpoints): {s['s'] * 1000:.1f} ms median "
+                f"(bare scan {r['steady_s'] * 1000:.1f} ms, so {(s['s'] - r['steady_s']) * 1000:.1f} ms Dagster), "
+                f"lists {fmt_int(s['lists'])}, exists {fmt_int(s['exists'])}, run keys e.g. {s['run_keys'][0]!r}"
+            )
 
 
 def main() -> None:
@@ -542,12 +554,14 @@ def main() -> None:
     parser.add_argument("--sizes", default="100,100000", help="checkpoints stored (comma-separated)")
     parser.add_argument("--buckets", default="local,s3", help="local, s3 or both")
     parser.add_argument("--steady-ticks", type=int, default=20)
-    parser.add_argument(
-        "--dagster-ticks", type=int, default=5, help="steady ticks through the real sensor (local)"
-    )
+    parser.add_argument("--dagster-ticks", type=int, default=5, help="steady ticks through the real sensor (local)")
     parser.add_argument("--quick", action="store_true", help="sizes 100,10000: a smoke run")
-    parser.add_argument("--s3-model-files", choices=("auto", "yes", "no"), default="auto",
-                        help="write model.pt on S3 too (auto: if populating stays within --populate-budget-s)")  # fmt: skip
+    parser.add_argument(
+        "--s3-model-files",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="write model.pt on S3 too (auto: if populating stays within --populate-budget-s)",
+    )
     parser.add_argument("--populate-budget-s", type=float, default=360.0)
     args = parser.parse_args()
     sizes = [100, 10_000] if args.quick else [int(s) for s in args.sizes.split(",")]
@@ -565,10 +579,13 @@ def main() -> None:
                 for size in sizes:
                     rows.append(scenario(kind, size, args, endpoint, Path(tmp)))
                     r = rows[-1]
-                    print(f"  {r['bucket']} {r['checkpoints']:,}: first tick {r['first_s']:.3f} s, turn-on "
-                          f"{r['turn_on_ticks']} ticks {r['turn_on_s']:.2f} s, steady {r['steady_s'] * 1000:.1f} ms "
-                          f"(max {r['steady_s_max'] * 1000:.1f}), {fmt_int(r['steady_lists'])} lists "
-                          f"{fmt_int(r['steady_exists'])} exists {fmt_int(r['steady_keys'])} keys", flush=True)  # fmt: skip
+                    print(
+                        f"  {r['bucket']} {r['checkpoints']:,}: first tick {r['first_s']:.3f} s, turn-on "
+                        f"{r['turn_on_ticks']} ticks {r['turn_on_s']:.2f} s, steady {r['steady_s'] * 1000:.1f} ms "
+                        f"(max {r['steady_s_max'] * 1000:.1f}), {fmt_int(r['steady_lists'])} lists "
+                        f"{fmt_int(r['steady_exists'])} exists {fmt_int(r['steady_keys'])} keys",
+                        flush=True,
+                    )
     finally:
         if proc is not None:
             proc.stdin.close()
@@ -578,8 +595,11 @@ def main() -> None:
                 proc.kill()
     print_table(rows)
     print_ratios(rows)
-    notes = [f"{r['bucket']} {r['checkpoints']:,}: only _manifest.json written per checkpoint" for r in rows
-             if not r["model_files"]]  # fmt: skip
+    notes = [
+        f"{r['bucket']} {r['checkpoints']:,}: only _manifest.json written per checkpoint"
+        for r in rows
+        if not r["model_files"]
+    ]
     for note in notes:
         print(f"note: {note}")
     print(f"benchmark run time: {time.perf_counter() - started:.0f} s")

@@ -56,12 +56,21 @@ def _records(n: int, week_start: float) -> tuple[list, float]:
         }
         records.append(
             types.SimpleNamespace(
-                job_id=i + 1, job_name=f"job-{i}", status="SUCCEEDED", labels=None if gone else labels,
-                accelerators=None if gone else {gpu: per_node}, resources=f"{nodes}x[{gpu}:{per_node}]",
-                submitted_at=start - 60, start_at=start, end_at=start + length, recovery_count=i % 7 == 0,
-                job_duration=length * 0.9, task_id=0, user_yaml=yaml.dump_all([{"name": f"job-{i}"}, task], Dumper=dumper) if gone else None,
+                job_id=i + 1,
+                job_name=f"job-{i}",
+                status="SUCCEEDED",
+                labels=None if gone else labels,
+                accelerators=None if gone else {gpu: per_node},
+                resources=f"{nodes}x[{gpu}:{per_node}]",
+                submitted_at=start - 60,
+                start_at=start,
+                end_at=start + length,
+                recovery_count=i % 7 == 0,
+                job_duration=length * 0.9,
+                task_id=0,
+                user_yaml=yaml.dump_all([{"name": f"job-{i}"}, task], Dumper=dumper) if gone else None,
             )
-        )  # fmt: skip
+        )
         hours += per_node * nodes * length / HOUR
     return records, hours
 
@@ -98,9 +107,7 @@ def _measure(n: int, repeat: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=100_000)
     parser.add_argument("--baseline-jobs", type=int, default=1_000)
     parser.add_argument("--repeat", type=int, default=3)
@@ -108,8 +115,10 @@ def main() -> None:
     base = _measure(args.baseline_jobs, args.repeat)
     big = _measure(args.jobs, args.repeat)
     for r in (base, big):
-        print(f"{r['jobs']:>8,} jobs: {r['seconds']:7.2f} s, {r['per_job_us']:6.1f} us per job, "
-              f"{r['gpu_hours']:,.0f} GPU-hours, every job counted")  # fmt: skip
+        print(
+            f"{r['jobs']:>8,} jobs: {r['seconds']:7.2f} s, {r['per_job_us']:6.1f} us per job, "
+            f"{r['gpu_hours']:,.0f} GPU-hours, every job counted"
+        )
     print(
         f"time per job at {args.jobs:,} vs {args.baseline_jobs:,} jobs: {big['per_job_us'] / base['per_job_us']:.2f}x"
     )

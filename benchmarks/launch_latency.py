@@ -52,7 +52,9 @@ OWNER = {"gpudoor-cost-owner": "ml-research"}
 def _terminal(job_ids: list[int]) -> bool:
     import sky
 
-    records, *_ = sky.get(sky.jobs.queue_v2(refresh=False, all_users=True, job_ids=job_ids, fields=["job_id", "status"]))
+    records, *_ = sky.get(
+        sky.jobs.queue_v2(refresh=False, all_users=True, job_ids=job_ids, fields=["job_id", "status"])
+    )
     return all(r.status.is_terminal() for r in records)
 
 
@@ -121,8 +123,9 @@ def cluster_gone_after(started: float, job_id: str) -> float:
     return time.perf_counter() - started
 
 
-def through_resource(endpoint: str, specs: Path, transit_root: Path, fleet: Path, *, end_to_end: bool = False,
-                     marks: dict | None = None) -> float:
+def through_resource(
+    endpoint: str, specs: Path, transit_root: Path, fleet: Path, *, end_to_end: bool = False, marks: dict | None = None
+) -> float:
     marks = {} if marks is None else marks
 
     @dg.asset
@@ -146,9 +149,13 @@ def through_resource(endpoint: str, specs: Path, transit_root: Path, fleet: Path
         return result
 
     resource = PipesSkyPilotClient(
-        backend="skypilot", api_server_endpoint=endpoint, fleet_file=str(fleet),
-        specs_dir=str(specs), transit=TransitBucketResource(local_root=str(transit_root)), poll_interval_s=1.0,
-    )  # fmt: skip
+        backend="skypilot",
+        api_server_endpoint=endpoint,
+        fleet_file=str(fleet),
+        specs_dir=str(specs),
+        transit=TransitBucketResource(local_root=str(transit_root)),
+        poll_interval_s=1.0,
+    )
     original = PipesSkyPilotClient.get_backend
     try:
         dg.materialize([bench], resources={"skypilot": resource}, raise_on_error=False)
@@ -160,7 +167,9 @@ def through_resource(endpoint: str, specs: Path, transit_root: Path, fleet: Path
 def _specs(root: Path, run: str) -> Path:
     specs = root / run.replace(" ", "-")
     specs.mkdir()
-    (specs / "caption.yaml").write_text(yaml.safe_dump({"name": "bench", "resources": {"accelerators": "L4:1"}, "run": run}))
+    (specs / "caption.yaml").write_text(
+        yaml.safe_dump({"name": "bench", "resources": {"accelerators": "L4:1"}, "run": run})
+    )
     return specs
 
 
@@ -196,14 +205,22 @@ def main() -> int:
             short = _specs(root, SHORT_RUN)
             door = through_resource(endpoint, short, transit, server, end_to_end=True)
             marks: dict = {}
-            clustered = through_resource(endpoint, short, transit, fleet_file(root, "server", "cluster"), end_to_end=True, marks=marks)
+            clustered = through_resource(
+                endpoint, short, transit, fleet_file(root, "server", "cluster"), end_to_end=True, marks=marks
+            )
             gone = cluster_gone_after(marks["start"], marks["job_id"])
             print("end to end, a 5-second task, once each:")
             print(f"  sky.launch + tail_logs + sky.down          : {ltd:6.2f} s")
-            print(f"  bare sky.jobs.launch, polled to its end    : {managed:6.2f} s  ({managed / ltd:.2f}x launch-tail-down)")
-            print(f"  door (managed job), asset -> materialized  : {door:6.2f} s  ({door / ltd:.2f}x launch-tail-down, {door / managed:.2f}x bare managed)")
-            print(f"  door (step cluster), asset -> materialized : {clustered:6.2f} s  ({clustered / ltd:.2f}x launch-tail-down); "
-                  f"its cluster gone {gone:6.2f} s after asset start ({gone / ltd:.2f}x)")
+            print(
+                f"  bare sky.jobs.launch, polled to its end    : {managed:6.2f} s  ({managed / ltd:.2f}x launch-tail-down)"
+            )
+            print(
+                f"  door (managed job), asset -> materialized  : {door:6.2f} s  ({door / ltd:.2f}x launch-tail-down, {door / managed:.2f}x bare managed)"
+            )
+            print(
+                f"  door (step cluster), asset -> materialized : {clustered:6.2f} s  ({clustered / ltd:.2f}x launch-tail-down); "
+                f"its cluster gone {gone:6.2f} s after asset start ({gone / ltd:.2f}x)"
+            )
     return 0
 
 

@@ -49,12 +49,21 @@ RUN = (
 def _job(specs: Path, name: str, shards: int, seconds: int, gpu: str):
     folder = specs / name
     folder.mkdir()
-    (folder / "caption.yaml").write_text(yaml.safe_dump({
-        "name": name, "resources": {"accelerators": f"{gpu}:1"}, "setup": "echo warm",
-        "envs": {"SHARDS": shards, "SECONDS_PER_SHARD": seconds}, "run": RUN,
-    }))  # fmt: skip
+    (folder / "caption.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "name": name,
+                "resources": {"accelerators": f"{gpu}:1"},
+                "setup": "echo warm",
+                "envs": {"SHARDS": shards, "SECONDS_PER_SHARD": seconds},
+                "run": RUN,
+            }
+        )
+    )
     spec = load_spec("caption", str(folder))
-    request = LaunchRequest(spec=spec, inputs={}, env={}, user=os.environ.get("USER", "bench"), asset=name, partition=None, step="caption")
+    request = LaunchRequest(
+        spec=spec, inputs={}, env={}, user=os.environ.get("USER", "bench"), asset=name, partition=None, step="caption"
+    )
     return resolve(request, load_fleet(str(REPO / "testbed" / "fleet.yaml")))
 
 
@@ -103,7 +112,10 @@ def main() -> None:
         print(f"pool: {args.shards} jobs on {args.workers} warm workers, {t_pool:.0f} s", flush=True)
         packed_jobs = min(args.shards, args.workers * JOBS_PER_WORKER)
         t_packed = on_pool(backend, shared, packed_jobs, args.workers, f"bench-packed-{os.getpid()}")
-        print(f"packed: {args.shards} shards in {packed_jobs} jobs on {args.workers} warm workers, {t_packed:.0f} s", flush=True)
+        print(
+            f"packed: {args.shards} shards in {packed_jobs} jobs on {args.workers} warm workers, {t_packed:.0f} s",
+            flush=True,
+        )
     print(f"ratios against separate managed jobs: pool {t_pool / t_sep:.2f}, packed {t_packed / t_sep:.2f}")
 
 

@@ -48,7 +48,9 @@ def _instance_with_runs(runs: int, home: str):
             instance.report_run_failed(run)
             failed.add(run.run_id)
         else:
-            instance.handle_run_event(run.run_id, dg.DagsterEvent(dg.DagsterEventType.RUN_START.value, job_name=run.job_name))
+            instance.handle_run_event(
+                run.run_id, dg.DagsterEvent(dg.DagsterEventType.RUN_START.value, job_name=run.job_name)
+            )
         ids.append(run.run_id)
     return instance, ids, failed
 
@@ -61,16 +63,29 @@ def _fake_sdk(n: int, run_ids: list[str], key: str):
     dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
     records = []
     for i in range(n):
-        labels = {"gpudoor-pool": "h200", "gpudoor-user": f"u{i % 40}", "gpudoor-cost-owner": "ml-research",
-                  "dagster-run-id": run_ids[i // JOBS_PER_RUN], "dagster-asset": "training_run"}  # fmt: skip
+        labels = {
+            "gpudoor-pool": "h200",
+            "gpudoor-user": f"u{i % 40}",
+            "gpudoor-cost-owner": "ml-research",
+            "dagster-run-id": run_ids[i // JOBS_PER_RUN],
+            "dagster-asset": "training_run",
+        }
         labels["gpudoor-signature"] = identity_signature(labels, key)
         pending = i % 2 == 0  # no cluster yet: the labels are in the task it was launched with
         task = {"name": f"job-{i}", "resources": {"accelerators": "H200:8", "labels": labels}}
-        records.append(types.SimpleNamespace(
-            job_id=i + 1, job_name=f"job-{i}", status="PENDING" if pending else "RUNNING", labels=None if pending else labels,
-            submitted_at=time.time() - 7200, pool=None, cluster_name_on_cloud=None if pending else f"job-{i}-{i + 1}-abcd",
-            task_id=0, user_yaml=yaml.dump_all([{"name": f"job-{i}"}, task], Dumper=dumper) if pending else None,
-        ))  # fmt: skip
+        records.append(
+            types.SimpleNamespace(
+                job_id=i + 1,
+                job_name=f"job-{i}",
+                status="PENDING" if pending else "RUNNING",
+                labels=None if pending else labels,
+                submitted_at=time.time() - 7200,
+                pool=None,
+                cluster_name_on_cloud=None if pending else f"job-{i}-{i + 1}-abcd",
+                task_id=0,
+                user_yaml=yaml.dump_all([{"name": f"job-{i}"}, task], Dumper=dumper) if pending else None,
+            )
+        )
     requests: dict[str, int] = {}
 
     def count(name, value):
@@ -104,11 +119,18 @@ def _measure(n: int, repeat: int) -> dict:
         instance, run_ids, failed = _instance_with_runs(-(-n // JOBS_PER_RUN), home)
         fake, requests = _fake_sdk(n, run_ids, key)
         sky_sdk.sky = lambda: fake
-        fleet = {**yaml.safe_load(DEFAULT_FLEET_FILE.read_text()), "reconciler": {"grace_minutes": 0}}  # the runs failed just now
+        fleet = {
+            **yaml.safe_load(DEFAULT_FLEET_FILE.read_text()),
+            "reconciler": {"grace_minutes": 0},
+        }  # the runs failed just now
         fleet_file = Path(home) / "fleet.yaml"
         fleet_file.write_text(yaml.safe_dump(fleet))
-        client = PipesSkyPilotClient(backend="skypilot", api_server_endpoint="http://127.0.0.1:1", fleet_file=str(fleet_file),
-                                     transit=TransitBucketResource(local_root=str(Path(home) / "transit")))  # fmt: skip
+        client = PipesSkyPilotClient(
+            backend="skypilot",
+            api_server_endpoint="http://127.0.0.1:1",
+            fleet_file=str(fleet_file),
+            transit=TransitBucketResource(local_root=str(Path(home) / "transit")),
+        )
         best = float("inf")
         for _ in range(repeat):
             requests.clear()
@@ -122,7 +144,13 @@ def _measure(n: int, repeat: int) -> dict:
         assert {r["id"] for r in released} == expected, "the tick must release exactly the failed runs' jobs"
         assert requests == {"queue_v2": 1, "pool_status": 1, "status": 1}, requests
         instance.dispose()
-    return {"jobs": n, "seconds": best, "per_job_us": best / n * 1e6, "released": len(expected), "requests": sum(requests.values())}
+    return {
+        "jobs": n,
+        "seconds": best,
+        "per_job_us": best / n * 1e6,
+        "released": len(expected),
+        "requests": sum(requests.values()),
+    }
 
 
 def main() -> None:
@@ -134,9 +162,13 @@ def main() -> None:
     base = _measure(args.baseline_jobs, args.repeat)
     big = _measure(args.jobs, args.repeat)
     for r in (base, big):
-        print(f"{r['jobs']:>7,} unfinished jobs ({r['jobs'] // JOBS_PER_RUN:,} runs): tick {r['seconds']:6.2f} s, "
-              f"{r['per_job_us']:7.1f} us per job, {r['requests']} SDK requests, {r['released']:,} released (every failed run's job)")  # fmt: skip
-    print(f"time per job at {args.jobs:,} vs {args.baseline_jobs:,} jobs: {big['per_job_us'] / base['per_job_us']:.2f}x")
+        print(
+            f"{r['jobs']:>7,} unfinished jobs ({r['jobs'] // JOBS_PER_RUN:,} runs): tick {r['seconds']:6.2f} s, "
+            f"{r['per_job_us']:7.1f} us per job, {r['requests']} SDK requests, {r['released']:,} released (every failed run's job)"
+        )
+    print(
+        f"time per job at {args.jobs:,} vs {args.baseline_jobs:,} jobs: {big['per_job_us'] / base['per_job_us']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -70,11 +70,16 @@ def main() -> None:
 
     requests: dict[str, Callable[[], object]] = {
         "api_info (baseline)": lambda: sky.api_info(),
-        "jobs.queue_v2 (status hub)": lambda: sky.get(sky.jobs.queue_v2(refresh=False, skip_finished=True, all_users=True,
-                                                                          fields=["job_id", "status", "recovery_count"])),
-        "status of named clusters": lambda: sky.get(sky.status(cluster_names=["gpudoor-step-benchmark-none"], all_users=True)),
+        "jobs.queue_v2 (status hub)": lambda: sky.get(
+            sky.jobs.queue_v2(
+                refresh=False, skip_finished=True, all_users=True, fields=["job_id", "status", "recovery_count"]
+            )
+        ),
+        "status of named clusters": lambda: sky.get(
+            sky.status(cluster_names=["gpudoor-step-benchmark-none"], all_users=True)
+        ),
         "jobs.pool_status": lambda: sky.get(sky.jobs.pool_status(None)),
-    }  # fmt: skip
+    }
     results = {name: measure(call, args.repeat) for name, call in requests.items()}
     base_wall, base_cpu = results["api_info (baseline)"]
     print(f"{args.repeat} requests each, one after the other, against {os.environ['SKYPILOT_API_SERVER_ENDPOINT']}")

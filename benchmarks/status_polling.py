@@ -47,8 +47,9 @@ class TimedSky:
         self.stream_ended: dict[int, float] = {}
         self.requests = {"queue_v2 (one job or some)": 0, "queue_v2 (every job, for caps)": 0, "tail_logs": 0}
         self._lock = threading.Lock()
-        self.jobs = types.SimpleNamespace(queue_v2=self._queue_v2, tail_logs=self._tail_logs,
-                                          pool_status=lambda names: [])  # fmt: skip
+        self.jobs = types.SimpleNamespace(
+            queue_v2=self._queue_v2, tail_logs=self._tail_logs, pool_status=lambda names: []
+        )
 
     def get(self, request):
         return request
@@ -59,11 +60,23 @@ class TimedSky:
     def _record(self, job_id: int):
         done = time.monotonic() >= self.ends[job_id]
         return types.SimpleNamespace(
-            job_id=job_id, job_name=f"step-{job_id}", status=types.SimpleNamespace(value="SUCCEEDED" if done else "RUNNING"),
-            cloud="slurm", region="bed", zone=None, infra="", recovery_count=0, submitted_at=None, start_at=None,
-            end_at=None, failure_reason=None, details=None, labels={"gpudoor-pool": "onprem", "gpudoor-user": "ana"},
-            accelerators={"L4": 1}, resources="1x[L4:1]",
-        )  # fmt: skip
+            job_id=job_id,
+            job_name=f"step-{job_id}",
+            status=types.SimpleNamespace(value="SUCCEEDED" if done else "RUNNING"),
+            cloud="slurm",
+            region="bed",
+            zone=None,
+            infra="",
+            recovery_count=0,
+            submitted_at=None,
+            start_at=None,
+            end_at=None,
+            failure_reason=None,
+            details=None,
+            labels={"gpudoor-pool": "onprem", "gpudoor-user": "ana"},
+            accelerators={"L4": 1},
+            resources="1x[L4:1]",
+        )
 
     def _queue_v2(self, refresh=False, skip_finished=False, all_users=True, job_ids=None, fields=None, **_):
         with self._lock:
@@ -128,16 +141,19 @@ def _run(case: str, steps: int, job_seconds: float, stagger: float) -> dict:
     status = sum(v for k, v in fake.requests.items() if k.startswith("queue_v2"))
     delays = [noticed[j] - fake.stream_ended[j] for j in noticed]
     return {
-        "case": case, "steps": steps, "wall_s": wall, "requests": dict(fake.requests), "status_requests": status,
-        "per_job_minute": status / (steps * job_seconds / 60.0), "delay_median": statistics.median(delays),
+        "case": case,
+        "steps": steps,
+        "wall_s": wall,
+        "requests": dict(fake.requests),
+        "status_requests": status,
+        "per_job_minute": status / (steps * job_seconds / 60.0),
+        "delay_median": statistics.median(delays),
         "delay_max": max(delays),
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--job-seconds", type=float, default=60.0)
     parser.add_argument("--stagger", type=float, default=10.0)
@@ -146,13 +162,19 @@ def main() -> None:
     after = _run("after", args.steps, args.job_seconds, args.stagger)
     alone = _run("after, one step per process", 1, args.job_seconds, 0.0)
     for r in (before, after, alone):
-        print(f"{r['case']:>30}: {r['steps']} steps of {args.job_seconds:.0f} s, {r['status_requests']} API requests "
-              f"({r['requests']}), {r['per_job_minute']:.1f} per job-minute; end noticed "
-              f"{r['delay_median']:.2f} s (median) / {r['delay_max']:.2f} s (max) after the log stream ended")  # fmt: skip
-    print(f"requests per job-minute, after vs before: {after['per_job_minute'] / before['per_job_minute']:.3f}x "
-          f"({before['per_job_minute'] / after['per_job_minute']:.0f}x fewer)")  # fmt: skip
-    print(f"requests per job-minute, one step per process vs before: {alone['per_job_minute'] / before['per_job_minute']:.3f}x "
-          f"({before['per_job_minute'] / alone['per_job_minute']:.0f}x fewer)")  # fmt: skip
+        print(
+            f"{r['case']:>30}: {r['steps']} steps of {args.job_seconds:.0f} s, {r['status_requests']} API requests "
+            f"({r['requests']}), {r['per_job_minute']:.1f} per job-minute; end noticed "
+            f"{r['delay_median']:.2f} s (median) / {r['delay_max']:.2f} s (max) after the log stream ended"
+        )
+    print(
+        f"requests per job-minute, after vs before: {after['per_job_minute'] / before['per_job_minute']:.3f}x "
+        f"({before['per_job_minute'] / after['per_job_minute']:.0f}x fewer)"
+    )
+    print(
+        f"requests per job-minute, one step per process vs before: {alone['per_job_minute'] / before['per_job_minute']:.3f}x "
+        f"({before['per_job_minute'] / alone['per_job_minute']:.0f}x fewer)"
+    )
 
 
 if __name__ == "__main__":

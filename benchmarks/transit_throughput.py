@@ -123,17 +123,13 @@ class Baseline:
         return buf.getvalue()
 
     def small_up(self, local_dir: Path, prefix: str) -> None:
-        futures = [
-            self.many.upload(str(p), self.bucket, f"{prefix}/{rel}") for rel, p in _files(local_dir).items()
-        ]
+        futures = [self.many.upload(str(p), self.bucket, f"{prefix}/{rel}") for rel, p in _files(local_dir).items()]
         for f in futures:
             f.result()
 
     def small_down(self, prefix: str) -> int:
         futures = []
-        for page in self.client.get_paginator("list_objects_v2").paginate(
-            Bucket=self.bucket, Prefix=prefix + "/"
-        ):
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix + "/"):
             for obj in page.get("Contents", ()):
                 buf = io.BytesIO()
                 futures.append(
@@ -219,9 +215,7 @@ class Obstore:
 
         size = obstore.head(self.store, key)["size"]  # ranged GETs in parallel, like the TransferManager
         starts = list(range(0, size, 64 * MiB))
-        parts = obstore.get_ranges(
-            self.store, key, starts=starts, ends=[min(s + 64 * MiB, size) for s in starts]
-        )
+        parts = obstore.get_ranges(self.store, key, starts=starts, ends=[min(s + 64 * MiB, size) for s in starts])
         return b"".join(bytes(p) for p in parts)
 
     def small_up(self, local_dir: Path, prefix: str) -> None:
@@ -314,9 +308,7 @@ def run(endpoint: str, args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """MiB/s per contender and job, the median of ``args.repeat`` runs."""
     work = Path(tempfile.mkdtemp(prefix="transit-bench-", dir=args.workdir))
     try:
-        print(
-            f"generating {args.big_mib} MiB + {args.small_count} x {args.small_kib} KiB in {work}", flush=True
-        )
+        print(f"generating {args.big_mib} MiB + {args.small_count} x {args.small_kib} KiB in {work}", flush=True)
         big, small = _make_data(work, args.big_mib, args.small_count, args.small_kib)
         mib = {"big up": args.big_mib, "big down": args.big_mib}
         mib["small up"] = mib["small down"] = args.small_count * args.small_kib / 1024
@@ -351,9 +343,7 @@ def run(endpoint: str, args: argparse.Namespace) -> dict[str, dict[str, float]]:
                             assert out >= args.small_count, f"{name}: read {out} of {args.small_count}"
                     _delete_all(base.client, bucket)
             for name in order:
-                print(
-                    f"  run {rep + 1} {name:10s} " + "  ".join(f"{k} {v:7.1f}" for k, v in line[name].items())
-                )
+                print(f"  run {rep + 1} {name:10s} " + "  ".join(f"{k} {v:7.1f}" for k, v in line[name].items()))
                 for job, v in line[name].items():
                     runs[name][job].append(v)
         for c in contenders.values():

@@ -34,10 +34,13 @@ TESTBED = REPO_ROOT / "testbed"
 LANE_TIMEOUT_S = float(os.environ.get("GPUDOOR_LANE_TIMEOUT_S", "1500"))
 #: What a bed test may be rerun for, once: the bed's API server refusing the connection, nothing else.
 BED_RERUN = [
-    "--reruns", "1",
-    "--only-rerun", r"^(ApiServerConnectionError|ConnectionError|ConnectionRefusedError): .*(refused|Could not connect)",
-    "--rerun-except", r"^(AssertionError|Failed|Timeout)",
-]  # fmt: skip
+    "--reruns",
+    "1",
+    "--only-rerun",
+    r"^(ApiServerConnectionError|ConnectionError|ConnectionRefusedError): .*(refused|Could not connect)",
+    "--rerun-except",
+    r"^(AssertionError|Failed|Timeout)",
+]
 SLURM = "tests/slurm"
 
 
@@ -70,8 +73,14 @@ def _bed_is_up() -> bool:
     env = TESTBED / ".state" / "env"
     if not env.is_file():
         return False
-    endpoint = next((line.split("=", 1)[1] for line in env.read_text().splitlines()
-                     if line.startswith("export SKYPILOT_API_SERVER_ENDPOINT=")), "")  # fmt: skip
+    endpoint = next(
+        (
+            line.split("=", 1)[1]
+            for line in env.read_text().splitlines()
+            if line.startswith("export SKYPILOT_API_SERVER_ENDPOINT=")
+        ),
+        "",
+    )
     try:
         with urllib.request.urlopen(f"{endpoint}/api/health", timeout=5) as response:
             return response.status == 200
@@ -91,19 +100,40 @@ def _bring_up_bed(reports: Path) -> bool:
     started = time.monotonic()
     env = {"GPUDOOR_TESTBED_ADMIN_POLICY": "gpudoor_pipelines.launch.server.policy.GpuDoorPolicy", **os.environ}
     with open(log, "w") as out:
-        code = subprocess.call(["bash", "-c", f"bash {TESTBED / 'up.sh'} && bash {TESTBED / 'node_env.sh'}"],
-                               stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)  # fmt: skip
-    print(f"test bed {'up' if code == 0 else f'FAILED to come up (exit {code})'} in {time.monotonic() - started:.0f} s", flush=True)
+        code = subprocess.call(
+            ["bash", "-c", f"bash {TESTBED / 'up.sh'} && bash {TESTBED / 'node_env.sh'}"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    print(
+        f"test bed {'up' if code == 0 else f'FAILED to come up (exit {code})'} in {time.monotonic() - started:.0f} s",
+        flush=True,
+    )
     return True
 
 
 def _start(lane: Lane, reports: Path) -> None:
-    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfER", "--durations=0",
-            f"--junitxml={reports / (lane.name + '.xml')}", *lane.args, *(BED_RERUN if lane.bed else [])]  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-rfER",
+        "--durations=0",
+        f"--junitxml={reports / (lane.name + '.xml')}",
+        *lane.args,
+        *(BED_RERUN if lane.bed else []),
+    ]
     env = {**os.environ, "GPUDOOR_LANE_EVENTS": str(reports / f"{lane.name}.events")}
     out = open(reports / f"{lane.name}.log", "w")  # noqa: SIM115 - closed when the lane ends
     lane.started = time.monotonic()
-    lane.proc = subprocess.Popen(args, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    lane.proc = subprocess.Popen(
+        args, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
     out.close()
 
 
@@ -133,7 +163,13 @@ def _wait(lane_list: list[Lane]) -> None:
                 code = _cut_off(lane.proc)
             if code is not None:
                 lane.code, lane.seconds = code, elapsed
-                state = "passed" if code == 0 else f"CUT OFF after {LANE_TIMEOUT_S:.0f} s" if lane.cut_off else f"FAILED (exit {code})"
+                state = (
+                    "passed"
+                    if code == 0
+                    else f"CUT OFF after {LANE_TIMEOUT_S:.0f} s"
+                    if lane.cut_off
+                    else f"FAILED (exit {code})"
+                )
                 print(f"lane {lane.name}: {state} in {elapsed:.0f} s", flush=True)
         time.sleep(1)
 
@@ -176,7 +212,9 @@ def read_outcome(lane_list: list[Lane], reports: Path) -> Outcome:
         if lane.cut_off and running:
             failed.append((lane.name, running, f"cut off while it ran (the lane's bound is {LANE_TIMEOUT_S:.0f} s)"))
         elif lane.code not in (0, None) and tally["failed"] == 0:
-            failed.append((lane.name, f"(lane {lane.name})", "cut off" if lane.cut_off else f"pytest exited {lane.code}"))
+            failed.append(
+                (lane.name, f"(lane {lane.name})", "cut off" if lane.cut_off else f"pytest exited {lane.code}")
+            )
         counts[lane.name] = tally
     times.sort(reverse=True)
     return Outcome(failed=failed, reruns=reruns, slowest=times[:10], counts=counts)
@@ -197,8 +235,10 @@ def summary(lane_list: list[Lane], reports: Path, outcome: Outcome) -> str:
     for lane in lane_list:
         c = outcome.counts.get(lane.name, {})
         state = "passed" if lane.code == 0 else "CUT OFF" if lane.cut_off else "FAILED"
-        lines.append(f"  {lane.name:<8} {lane.seconds:6.0f} s  {state:<8} {c.get('passed', 0)} passed, {c.get('failed', 0)} failed, "
-                     f"{c.get('skipped', 0)} skipped   (log: {reports / (lane.name + '.log')})")  # fmt: skip
+        lines.append(
+            f"  {lane.name:<8} {lane.seconds:6.0f} s  {state:<8} {c.get('passed', 0)} passed, {c.get('failed', 0)} failed, "
+            f"{c.get('skipped', 0)} skipped   (log: {reports / (lane.name + '.log')})"
+        )
     lines.append("== ten slowest tests")
     lines += [f"  {seconds:7.1f} s  {test}" for seconds, test in outcome.slowest]
     if outcome.reruns:
@@ -206,7 +246,10 @@ def summary(lane_list: list[Lane], reports: Path, outcome: Outcome) -> str:
         lines += [f"  {test}   (lane {lane})" for lane, test in outcome.reruns]
     if outcome.failed:
         lines.append(f"== FAILED: {len(outcome.failed)}")
-        lines += [f"  FAILED {test} - {why}   (full log: {reports / (lane + '.log')})" for lane, test, why in outcome.failed[:20]]
+        lines += [
+            f"  FAILED {test} - {why}   (full log: {reports / (lane + '.log')})"
+            for lane, test, why in outcome.failed[:20]
+        ]
         if len(outcome.failed) > 20:
             lines.append(f"  ... and {len(outcome.failed) - 20} more (see the logs)")
     else:

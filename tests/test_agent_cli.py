@@ -119,14 +119,37 @@ def test_on_skypilot_status_lists_the_agents_jobs_of_the_week_pending_ones_too(c
     now = time.time()
     mine = {"gpudoor-pool": "inference", "gpudoor-user": "agent-7", "gpudoor-cost-owner": "ml-research"}
     theirs = {**mine, "gpudoor-user": "someone-else"}
-    fake.records = {r.job_id: r for r in [
-        Record(1, "queued", Status.PENDING, mine, None, "1x[L4:1]", submitted_at=now - 60),
-        Record(2, "done", Status.SUCCEEDED, mine, {"L4": 1}, "1x[L4:1]", submitted_at=now - 3600,
-               start_at=now - 3500, end_at=now - 3000),
-        Record(3, "theirs", Status.RUNNING, theirs, {"L4": 1}, "1x[L4:1]", submitted_at=now - 60, start_at=now - 50),
-        Record(4, "last-month", Status.SUCCEEDED, mine, {"L4": 1}, "1x[L4:1]", submitted_at=now - 30 * 86400,
-               start_at=now - 30 * 86400, end_at=now - 29 * 86400),
-    ]}  # fmt: skip
+    fake.records = {
+        r.job_id: r
+        for r in [
+            Record(1, "queued", Status.PENDING, mine, None, "1x[L4:1]", submitted_at=now - 60),
+            Record(
+                2,
+                "done",
+                Status.SUCCEEDED,
+                mine,
+                {"L4": 1},
+                "1x[L4:1]",
+                submitted_at=now - 3600,
+                start_at=now - 3500,
+                end_at=now - 3000,
+            ),
+            Record(
+                3, "theirs", Status.RUNNING, theirs, {"L4": 1}, "1x[L4:1]", submitted_at=now - 60, start_at=now - 50
+            ),
+            Record(
+                4,
+                "last-month",
+                Status.SUCCEEDED,
+                mine,
+                {"L4": 1},
+                "1x[L4:1]",
+                submitted_at=now - 30 * 86400,
+                start_at=now - 30 * 86400,
+                end_at=now - 29 * 86400,
+            ),
+        ]
+    }
     code, listed = _run(capsys, "status", "--json")
     assert code == 0
     assert [(j["job_id"], j["state"]) for j in listed["jobs"]] == [("1", "PENDING"), ("2", "SUCCEEDED")]
@@ -153,7 +176,9 @@ def test_an_agents_cancel_verifies_the_release_like_a_steps(tmp_path, capsys):
     assert code == 0 and cancelled["state"] == "CANCELLED" and cancelled["cancel_confirmed"] is True
     release = cancelled["release"]
     assert release["kind"] == "job" and release["id"] == job and release["confirmed"] is True
-    assert f"job {job}: CANCELLED" in release["seen"] and any(s.startswith("process group") and s.endswith("gone") for s in release["seen"])
+    assert f"job {job}: CANCELLED" in release["seen"] and any(
+        s.startswith("process group") and s.endswith("gone") for s in release["seen"]
+    )
     # The job's own child went with it (gone, or a zombie nobody has reaped yet).
     stat = f"/proc/{child}/stat"
     assert not os.path.exists(stat) or open(stat).read().rsplit(")", 1)[1].split()[0] == "Z"

@@ -48,13 +48,21 @@ class Night:
         self.home = tmp_path / "home"
         self.transit = TransitBucketResource(kind="local", local_root=str(tmp_path / "bucket"))
         self.skypilot = PipesSkyPilotClient(
-            backend="local", fleet_file=str(tmp_path / "fleet.yaml"), local_home=str(self.home),
-            transit=self.transit, poll_interval_s=0.2, validate_with_skypilot=False,
-        )  # fmt: skip
+            backend="local",
+            fleet_file=str(tmp_path / "fleet.yaml"),
+            local_home=str(self.home),
+            transit=self.transit,
+            poll_interval_s=0.2,
+            validate_with_skypilot=False,
+        )
         self.defs = dg.Definitions(
             assets=[dataset_shards, caption_shards, captioned_dataset],
-            resources={"transit": self.transit, "skypilot": self.skypilot, "io_manager": TransitIOManager(transit=self.transit)},
-        )  # fmt: skip
+            resources={
+                "transit": self.transit,
+                "skypilot": self.skypilot,
+                "io_manager": TransitIOManager(transit=self.transit),
+            },
+        )
         self.instance = dg.DagsterInstance.ephemeral()
         self.bucket = self.transit.get_bucket()
 
@@ -68,9 +76,12 @@ class Night:
                 "dagster/asset_partition_range_end": shards[-1],
             }
         return self.defs.resolve_implicit_global_asset_job_def().execute_in_process(
-            instance=self.instance, asset_selection=[dg.AssetKey(key)], tags=tags or None, raise_on_error=False,
+            instance=self.instance,
+            asset_selection=[dg.AssetKey(key)],
+            tags=tags or None,
+            raise_on_error=False,
             run_config={"ops": {key: {"config": config}}} if config else None,
-        )  # fmt: skip
+        )
 
     @property
     def shards(self) -> list[str]:
@@ -85,9 +96,7 @@ class Night:
         for job_dir in (self.home / "jobs").iterdir() if (self.home / "jobs").is_dir() else ():
             task = json.loads((job_dir / "task.json").read_text())
             if task.get("worker_pool"):
-                jobs.append(
-                    {**json.loads((job_dir / "state.json").read_text()), "dir": job_dir, "rank": task["rank"]}
-                )
+                jobs.append({**json.loads((job_dir / "state.json").read_text()), "dir": job_dir, "rank": task["rank"]})
         return jobs
 
 
@@ -105,9 +114,7 @@ def _most_at_once(jobs: list[dict]) -> int:
 
 def test_a_200_shard_night_fits_4_free_gpus_and_materializes_every_shard(tmp_path):
     night = Night(tmp_path, free_gpus=4)
-    assert night.materialize(
-        "dataset_shards", config={"num_images": 400, "shard_size": 2, "image_size": 16}
-    ).success
+    assert night.materialize("dataset_shards", config={"num_images": 400, "shard_size": 2, "image_size": 16}).success
     assert len(night.shards) == 200
     result = night.materialize("caption_shards", shards=night.shards)
     assert result.success, [e.message for e in result.all_events if e.is_failure]
@@ -130,9 +137,7 @@ def test_a_200_shard_night_fits_4_free_gpus_and_materializes_every_shard(tmp_pat
 
 def test_a_job_killed_mid_shard_resumes_without_recaptioning(tmp_path):
     night = Night(tmp_path, free_gpus=1)
-    assert night.materialize(
-        "dataset_shards", config={"num_images": 12, "shard_size": 12, "image_size": 16}
-    ).success
+    assert night.materialize("dataset_shards", config={"num_images": 12, "shard_size": 12, "image_size": 16}).success
     shard = night.shards[0]
     prefix = captions_prefix(MODEL, shard)
     killed: dict[str, bytes] = {}
@@ -184,16 +189,12 @@ def test_a_job_killed_mid_shard_resumes_without_recaptioning(tmp_path):
 
 def test_a_night_that_reaches_its_end_stops_launching_and_the_next_night_finishes(tmp_path):
     night = Night(tmp_path, free_gpus=1)
-    assert night.materialize(
-        "dataset_shards", config={"num_images": 24, "shard_size": 4, "image_size": 16}
-    ).success
+    assert night.materialize("dataset_shards", config={"num_images": 24, "shard_size": 4, "image_size": 16}).success
     # 24 images at 1 s each cannot all be done by the end; a loaded machine may take ~10 s to start the
     # job (Dagster run, worker, imports), which still leaves time for a first shard (4 s) before the end.
     end = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=15)
     slow = {"env": {"IMAGES_PER_PART": "2", "WORKLOAD_THROTTLE_S": "1.0"}, "shards_per_job": 6}
-    first = night.materialize(
-        "caption_shards", config={**slow, "window_end": end.isoformat()}, shards=night.shards
-    )
+    first = night.materialize("caption_shards", config={**slow, "window_end": end.isoformat()}, shards=night.shards)
     assert first.success  # shards left for the next night are not a failure
     done_first = night.materialized()
     assert 0 < len(done_first) < 6
@@ -201,22 +202,21 @@ def test_a_night_that_reaches_its_end_stops_launching_and_the_next_night_finishe
     finished = [j["ended_at"] for j in night.batch_jobs()]
     assert all(t < end.timestamp() + 5 for t in finished)
 
-    second = night.materialize(
-        "caption_shards", config={"env": {"IMAGES_PER_PART": "2"}}, shards=night.shards
-    )
+    second = night.materialize("caption_shards", config={"env": {"IMAGES_PER_PART": "2"}}, shards=night.shards)
     assert second.success
     assert night.materialized() == set(night.shards)
     for shard in night.shards:
-        rows = sum(pq.read_metadata(night.bucket.path_of(k)).num_rows
-                   for k in night.bucket.list_keys(captions_prefix(MODEL, shard) + "/") if k.endswith(".parquet"))  # fmt: skip
+        rows = sum(
+            pq.read_metadata(night.bucket.path_of(k)).num_rows
+            for k in night.bucket.list_keys(captions_prefix(MODEL, shard) + "/")
+            if k.endswith(".parquet")
+        )
         assert rows == 4  # nothing captioned twice across the two nights
 
 
 def test_the_morning_merge_publishes_the_done_shards_and_warns_about_the_missing(tmp_path):
     night = Night(tmp_path, free_gpus=2)
-    assert night.materialize(
-        "dataset_shards", config={"num_images": 12, "shard_size": 4, "image_size": 16}
-    ).success
+    assert night.materialize("dataset_shards", config={"num_images": 12, "shard_size": 4, "image_size": 16}).success
     assert night.materialize("caption_shards", shards=night.shards[:2]).success
     merged = night.materialize("captioned_dataset")
     assert merged.success
@@ -262,34 +262,25 @@ def test_new_images_in_the_source_become_new_shards(tmp_path):
         (images / f"img-{i:03d}.png").write_bytes(generate_image(i, size=16)[0])
     assert night.materialize("dataset_shards", config=config).success
     assert night.shards == ["team-00000", "team-00001", "team-00002", "team-00003", "team-00004"]
-    assert (
-        night.bucket.get_bytes("datasets/team/shards/team-00002/_manifest.json") == before
-    )  # old shards never move
+    assert night.bucket.get_bytes("datasets/team/shards/team-00002/_manifest.json") == before  # old shards never move
 
 
 def test_night_runs_cover_only_the_shards_not_done(tmp_path):
     shards = [f"d-{i:05d}" for i in range(10)]
     done = {"d-00000", "d-00001", "d-00005"}
-    requests = night_runs(
-        shards, done, night="2026-12-01", window_end="2026-12-01T06:00:00+01:00", max_shards=4
-    )
+    requests = night_runs(shards, done, night="2026-12-01", window_end="2026-12-01T06:00:00+01:00", max_shards=4)
     ranges = [
-        (r.tags["dagster/asset_partition_range_start"], r.tags["dagster/asset_partition_range_end"])
-        for r in requests
+        (r.tags["dagster/asset_partition_range_start"], r.tags["dagster/asset_partition_range_end"]) for r in requests
     ]
     assert ranges == [("d-00002", "d-00006"), ("d-00007", "d-00009")]
     assert {r.run_key for r in requests} == {"2026-12-01-0000", "2026-12-01-0001"}
-    assert (
-        requests[0].run_config["ops"]["caption_shards"]["config"]["window_end"] == "2026-12-01T06:00:00+01:00"
-    )
+    assert requests[0].run_config["ops"]["caption_shards"]["config"]["window_end"] == "2026-12-01T06:00:00+01:00"
     assert night_runs(shards, set(shards), night="n", window_end="e") == []
 
 
 def test_the_local_backend_pool_is_given_back_after_the_night(tmp_path):
     night = Night(tmp_path, free_gpus=2)
-    assert night.materialize(
-        "dataset_shards", config={"num_images": 8, "shard_size": 4, "image_size": 16}
-    ).success
+    assert night.materialize("dataset_shards", config={"num_images": 8, "shard_size": 4, "image_size": 16}).success
     assert night.materialize("caption_shards", shards=night.shards).success
     backend = LocalBackend(home=night.home)
     deadline = time.time() + 10
@@ -303,7 +294,15 @@ def _hold_the_gpu(night: Night, seconds: int) -> str:
     from gpudoor_pipelines.launch.resolve.request import LaunchRequest, resolve
     from gpudoor_pipelines.launch.resolve.specs import load_spec
 
-    request = LaunchRequest(spec=load_spec("caption", skypilot=False), inputs={}, env={}, user="someone-else", asset="other", partition=None, step="caption")
+    request = LaunchRequest(
+        spec=load_spec("caption", skypilot=False),
+        inputs={},
+        env={},
+        user="someone-else",
+        asset="other",
+        partition=None,
+        step="caption",
+    )
     job = resolve(request, night.skypilot.get_fleet())
     job.config["run"] = f"sleep {seconds}"
     job.config.pop("setup", None)

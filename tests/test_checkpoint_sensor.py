@@ -53,9 +53,12 @@ class Door:
         (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(fleet))
         self.transit = TransitBucketResource(kind="local", local_root=str(tmp_path / "bucket"))
         self.skypilot = PipesSkyPilotClient(
-            backend="local", fleet_file=str(tmp_path / "fleet.yaml"), local_home=str(tmp_path / "home"),
-            transit=self.transit, validate_with_skypilot=False,
-        )  # fmt: skip
+            backend="local",
+            fleet_file=str(tmp_path / "fleet.yaml"),
+            local_home=str(tmp_path / "home"),
+            transit=self.transit,
+            validate_with_skypilot=False,
+        )
         self.bucket = self.transit.get_bucket()
         self.instance = dg.DagsterInstance.ephemeral()
         self.cursor: str | None = None

@@ -13,10 +13,26 @@ from gpudoor_pipelines.cli.main import main
 @pytest.mark.parametrize(
     "spec, pool, infra, accel, nodes, env_key, env_value",
     [
-        ("task_specs/caption.yaml", "onprem", "slurm/onprem", "RTX6000-Ada:1", 1, "LOCAL_CACHE_DIR", "/mnt/cache/gpudoor"),
+        (
+            "task_specs/caption.yaml",
+            "onprem",
+            "slurm/onprem",
+            "RTX6000-Ada:1",
+            1,
+            "LOCAL_CACHE_DIR",
+            "/mnt/cache/gpudoor",
+        ),
         ("task_specs/train.yaml", "h200", "slurm/h200-ib", "H200:8", 2, "CHECKPOINTS_DIR", "/lustre/checkpoints"),
         ("task_specs/smoke.yaml", "h200", "slurm/h200-ib", "H200:1", 1, "CHECKPOINTS_DIR", "/lustre/checkpoints"),
-        ("task_specs/eval.yaml", "inference", "k8s/inference-prod", "L4:1", 1, "CHECKPOINTS_DIR", "/scratch/checkpoints"),
+        (
+            "task_specs/eval.yaml",
+            "inference",
+            "k8s/inference-prod",
+            "L4:1",
+            1,
+            "CHECKPOINTS_DIR",
+            "/scratch/checkpoints",
+        ),
         ("task_specs/demo.yaml", "inference", "k8s/inference-prod", "L4:1", 1, "HF_HOME", "/cache/huggingface"),
     ],
 )

@@ -211,9 +211,7 @@ def test_registering_the_same_images_again_writes_nothing(bucket):
 def test_new_images_go_to_new_shards_and_old_shards_never_change(bucket):
     old = [f"file:///data/{i:02d}.png" for i in range(0, 20, 2)]  # 10 images: shards of 4, 4, 2
     register_dataset(bucket, "grow", _listing(old), shard_size=4)
-    old_manifests = {
-        s: _manifest_bytes(bucket, "grow", s) for s in ("grow-00000", "grow-00001", "grow-00002")
-    }
+    old_manifests = {s: _manifest_bytes(bucket, "grow", s) for s in ("grow-00000", "grow-00001", "grow-00002")}
 
     # 5 new images, some sorting between old ones, and one old image gone from the source
     new = [f"file:///data/{i:02d}.png" for i in (1, 3, 21, 22, 23)]
@@ -295,12 +293,7 @@ def test_write_synthetic_writes_only_missing_images(bucket):
 
     reg = register_dataset(bucket, "synthetic", list_images(uri), shard_size=3)
     assert reg.shards == ["synthetic-00000", "synthetic-00001", "synthetic-00002"]
-    assert (
-        json.loads(bucket.get_bytes(f"{shard_prefix('synthetic', 'synthetic-00002')}/_manifest.json"))[
-            "count"
-        ]
-        == 2
-    )
+    assert json.loads(bucket.get_bytes(f"{shard_prefix('synthetic', 'synthetic-00002')}/_manifest.json"))["count"] == 2
 
 
 def test_resolver_for_reads_the_bucket_through_itself(bucket, tmp_path):

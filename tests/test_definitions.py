@@ -42,7 +42,15 @@ def test_graph_runs_from_dataset_to_demo():
     from gpudoor_pipelines.definitions import defs
 
     graph = defs.resolve_asset_graph()
-    chain = ["dataset_shards", "caption_shards", "captioned_dataset", "training_run", "checkpoint_evals", "best_checkpoint", "demo"]
+    chain = [
+        "dataset_shards",
+        "caption_shards",
+        "captioned_dataset",
+        "training_run",
+        "checkpoint_evals",
+        "best_checkpoint",
+        "demo",
+    ]
     for upstream, downstream in zip(chain, chain[1:], strict=False):
         assert dg.AssetKey(upstream) in graph.get(dg.AssetKey(downstream)).parent_keys, (upstream, downstream)
 
@@ -74,9 +82,14 @@ def test_nightly_schedule_requests_the_shards_not_captioned_in_the_window(tmp_pa
         instance.add_dynamic_partitions(SHARDS, [f"sample-{i:05d}" for i in range(4)])
         start = datetime.datetime(2026, 11, 30, 1, 0, tzinfo=datetime.timezone(datetime.timedelta(hours=1)))
         # As a context manager: its resources are built and torn down inside the instance's lifetime.
-        with dg.build_schedule_context(instance=instance, scheduled_execution_time=start, resources={"transit": transit}) as context:
+        with dg.build_schedule_context(
+            instance=instance, scheduled_execution_time=start, resources={"transit": transit}
+        ) as context:
             requests = list(schedule.evaluate_tick(context).run_requests or [])
     assert len(requests) == 1
     tags = requests[0].tags
-    assert (tags["dagster/asset_partition_range_start"], tags["dagster/asset_partition_range_end"]) == ("sample-00000", "sample-00003")
+    assert (tags["dagster/asset_partition_range_start"], tags["dagster/asset_partition_range_end"]) == (
+        "sample-00000",
+        "sample-00003",
+    )
     assert tags[TAG_WINDOW_END] == "2026-11-30T06:00:00+01:00"  # the night ends at 06:00 local time

@@ -36,7 +36,10 @@ def _run_and_check(instance, **flow_options):
 
     defs = build_defs()
     # A shorter training than the default (2 checkpoints) keeps the suite quick on 2 cores.
-    run_config = {"dataset_shards": {"num_images": 64, "shard_size": 16}, "training_run": {"env": {"MAX_STEPS": "30", "CHECKPOINT_EVERY": "15"}}}
+    run_config = {
+        "dataset_shards": {"num_images": 64, "shard_size": 16},
+        "training_run": {"env": {"MAX_STEPS": "30", "CHECKPOINT_EVERY": "15"}},
+    }
     summary = run_flow(defs, instance, run_config=run_config, **flow_options)
     with dg.build_resources({"transit": defs.resources["transit"], "skypilot": defs.resources["skypilot"]}) as res:
         bucket = res.transit.get_bucket()
@@ -62,8 +65,16 @@ def test_whole_flow_on_the_embedded_default(instance, tmp_path, capfd):
     for line in lines:
         step = line.split("]", 1)[1].split()[0]
         finals[step.split("[")[0]] = line
-    assert set(finals) == {"dataset_shards", "caption_shards", "captioned_dataset", "training_run", "checkpoint_evals",
-                           "best_checkpoint", "demo", "gpu_usage"}  # fmt: skip
+    assert set(finals) == {
+        "dataset_shards",
+        "caption_shards",
+        "captioned_dataset",
+        "training_run",
+        "checkpoint_evals",
+        "best_checkpoint",
+        "demo",
+        "gpu_usage",
+    }
     assert all(line.endswith("done") for line in finals.values()), finals
     assert "pool h200" in finals["training_run"] and " job " in finals["training_run"]
     assert any("caption_shards[" in line and " job " in line for line in lines)
@@ -78,7 +89,12 @@ def test_a_failed_step_says_what_failed_and_the_fix_without_a_traceback(instance
     from gpudoor_pipelines.definitions import build_defs
 
     with pytest.raises(FlowFailed) as err:
-        run_flow(build_defs(), instance, run_config={"dataset_shards": {"source": str(tmp_path / "no-such-folder")}}, console_log_level="CRITICAL")
+        run_flow(
+            build_defs(),
+            instance,
+            run_config={"dataset_shards": {"source": str(tmp_path / "no-such-folder")}},
+            console_log_level="CRITICAL",
+        )
     assert err.value.label == "dataset_shards" and "no-such-folder" in err.value.why
     assert "Fix" in err.value.why and "Traceback" not in err.value.why
 
@@ -90,8 +106,13 @@ def test_whole_flow_through_the_s3_transit_bucket(instance, s3_server, monkeypat
 
     name = f"flow-{uuid.uuid4().hex[:8]}"
     secret = f"flow-secret-{uuid.uuid4().hex}"
-    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1", aws_access_key_id="flow-key-id",
-                 aws_secret_access_key=secret).create_bucket(Bucket=name)  # fmt: skip
+    boto3.client(
+        "s3",
+        endpoint_url=s3_server,
+        region_name="us-east-1",
+        aws_access_key_id="flow-key-id",
+        aws_secret_access_key=secret,
+    ).create_bucket(Bucket=name)
     for var, value in {
         "GPUDOOR_TRANSIT": "s3",
         "GPUDOOR_S3_BUCKET": name,
@@ -143,7 +164,9 @@ def _check_flow(instance, summary, bucket, skypilot):
             eval_runs.add(
                 instance.fetch_materializations(
                     dg.AssetRecordsFilter(asset_key=dg.AssetKey("checkpoint_evals"), asset_partitions=[ckpt]), limit=1
-                ).records[0].run_id
+                )
+                .records[0]
+                .run_id
             )
         assert len(eval_runs) == 1
         checks = instance.event_log_storage.get_asset_check_execution_history(

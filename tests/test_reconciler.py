@@ -137,17 +137,26 @@ def _fleet_file(tmp_path, **reconciler) -> str:
 
 
 def _local_client(tmp_path, **reconciler) -> PipesSkyPilotClient:
-    return PipesSkyPilotClient(local_home=str(tmp_path / "home"), fleet_file=_fleet_file(tmp_path, **reconciler),
-                               transit=TransitBucketResource(local_root=str(tmp_path / "transit")))  # fmt: skip
+    return PipesSkyPilotClient(
+        local_home=str(tmp_path / "home"),
+        fleet_file=_fleet_file(tmp_path, **reconciler),
+        transit=TransitBucketResource(local_root=str(tmp_path / "transit")),
+    )
 
 
 def _submit(backend: LocalBackend, name: str, labels: dict, cluster: str | None = None) -> str:
     from gpudoor_pipelines.launch.resolve.fleet import load_fleet
 
     pool = load_fleet().pools["onprem"]
-    job = ResolvedJob(name=name, config={"run": "sleep 600", "resources": {"labels": labels}}, workdir=os.getcwd(),
-                      pool="onprem", route=Route(pool=pool, infra=pool.infra, accelerator=None, gpus_per_node=0, num_nodes=1, reason="test"),
-                      labels=labels, cluster_name=cluster)  # fmt: skip
+    job = ResolvedJob(
+        name=name,
+        config={"run": "sleep 600", "resources": {"labels": labels}},
+        workdir=os.getcwd(),
+        pool="onprem",
+        route=Route(pool=pool, infra=pool.infra, accelerator=None, gpus_per_node=0, num_nodes=1, reason="test"),
+        labels=labels,
+        cluster_name=cluster,
+    )
     if cluster:
         return backend.start_service(job).job_id
     return backend.submit(job)
@@ -160,11 +169,15 @@ def _wait_running(backend: LocalBackend, job_id: str) -> None:
 
 
 def _run(instance: dg.DagsterInstance, status: dg.DagsterRunStatus) -> str:
-    run = instance.create_run_for_job(release_held_gpus_job, run_config={"ops": {"release_held_gpus": {"config": {"releases": []}}}})
+    run = instance.create_run_for_job(
+        release_held_gpus_job, run_config={"ops": {"release_held_gpus": {"config": {"releases": []}}}}
+    )
     if status is dg.DagsterRunStatus.FAILURE:
         instance.report_run_failed(run)  # what run monitoring does once the run worker is gone
     else:
-        instance.handle_run_event(run.run_id, dg.DagsterEvent(dg.DagsterEventType.RUN_START.value, job_name=run.job_name))
+        instance.handle_run_event(
+            run.run_id, dg.DagsterEvent(dg.DagsterEventType.RUN_START.value, job_name=run.job_name)
+        )
     return run.run_id
 
 
@@ -196,8 +209,9 @@ def test_the_sensor_releases_an_orphan_verifies_it_and_leaves_a_live_runs_job_al
         released = {r["id"]: r["reason"] for r in request.run_config["ops"]["release_held_gpus"]["config"]["releases"]}
         assert set(released) == {orphan, "lab-old"} and dead in released[orphan]
 
-        run = release_held_gpus_job.execute_in_process(run_config=request.run_config, instance=instance, resources={"skypilot": client},
-                                                       tags=request.tags)  # fmt: skip
+        run = release_held_gpus_job.execute_in_process(
+            run_config=request.run_config, instance=instance, resources={"skypilot": client}, tags=request.tags
+        )
         assert run.success
         records = run.output_for_node("release_held_gpus")
         assert {r["id"]: r["confirmed"] for r in records} == {orphan: True, "lab-old": True}
@@ -218,8 +232,12 @@ def test_the_sensor_releases_an_orphan_verifies_it_and_leaves_a_live_runs_job_al
 
 
 def _sky_client(tmp_path, **reconciler) -> PipesSkyPilotClient:
-    return PipesSkyPilotClient(backend="skypilot", api_server_endpoint="http://127.0.0.1:1", fleet_file=_fleet_file(tmp_path, **reconciler),
-                               transit=TransitBucketResource(local_root=str(tmp_path / "transit")))  # fmt: skip
+    return PipesSkyPilotClient(
+        backend="skypilot",
+        api_server_endpoint="http://127.0.0.1:1",
+        fleet_file=_fleet_file(tmp_path, **reconciler),
+        transit=TransitBucketResource(local_root=str(tmp_path / "transit")),
+    )
 
 
 def test_on_skypilot_a_tick_is_three_listings_whatever_the_number_of_jobs(tmp_path, fake_sky):
@@ -227,8 +245,14 @@ def test_on_skypilot_a_tick_is_three_listings_whatever_the_number_of_jobs(tmp_pa
         dead = _run(instance, dg.DagsterRunStatus.FAILURE)
         for i in range(1, 301):
             fake_sky.add_job(i, Status.RUNNING, {**DOOR, "dagster-run-id": dead if i % 3 == 0 else f"unknown-{i}"})
-        fake_sky.pools.append({"name": "gpudoor-eval-0000", "status": "READY", "target_num_replicas": 2,
-                               "pool_yaml": yaml.safe_dump({"resources": {"labels": {**DOOR, "dagster-run-id": dead}}})})  # fmt: skip
+        fake_sky.pools.append(
+            {
+                "name": "gpudoor-eval-0000",
+                "status": "READY",
+                "target_num_replicas": 2,
+                "pool_yaml": yaml.safe_dump({"resources": {"labels": {**DOOR, "dagster-run-id": dead}}}),
+            }
+        )
         fake_sky.up.append({"name": "lab-demo", "status": "UP", "launched_at": time.time() - 13 * 3600, "handle": None})
         with dg.build_sensor_context(instance=instance, resources={"skypilot": _sky_client(tmp_path)}) as context:
             result = orphan_reconciler(context)
@@ -245,8 +269,11 @@ def test_on_skypilot_releasing_300_jobs_is_one_cancel_and_two_requests_per_look(
         fake_sky.add_job(i, Status.RUNNING, {**DOOR, "dagster-run-id": "gone"})
     config = {"releases": [{"kind": "job", "id": str(i)} for i in range(1, 301)]}
     with dg.instance_for_test() as instance:
-        result = release_held_gpus_job.execute_in_process(run_config={"ops": {"release_held_gpus": {"config": config}}},
-                                                          instance=instance, resources={"skypilot": _sky_client(tmp_path)})  # fmt: skip
+        result = release_held_gpus_job.execute_in_process(
+            run_config={"ops": {"release_held_gpus": {"config": config}}},
+            instance=instance,
+            resources={"skypilot": _sky_client(tmp_path)},
+        )
     assert all(r["confirmed"] for r in result.output_for_node("release_held_gpus"))
     # One cancel for all, then one look: one queue_v2 for the states, one sky.status for their clusters.
     assert fake_sky.requests == {"cancel": 1, "queue_v2": 1, "status": 1}
@@ -261,10 +288,16 @@ def test_on_skypilot_a_release_that_is_not_confirmed_fails_the_run_with_an_error
     config = {"releases": [{"kind": "job", "id": "1", "reason": "test"}]}
     with dg.instance_for_test() as instance:
         client = _sky_client(tmp_path, release_timeout_minutes=0.02)
-        result = release_held_gpus_job.execute_in_process(run_config={"ops": {"release_held_gpus": {"config": config}}},
-                                                          instance=instance, resources={"skypilot": client}, raise_on_error=False)  # fmt: skip
+        result = release_held_gpus_job.execute_in_process(
+            run_config={"ops": {"release_held_gpus": {"config": config}}},
+            instance=instance,
+            resources={"skypilot": client},
+            raise_on_error=False,
+        )
         assert not result.success
-        errors = [e for e in instance.all_logs(result.run_id) if e.level >= 40 and "GPUs may still be held" in e.message]
+        errors = [
+            e for e in instance.all_logs(result.run_id) if e.level >= 40 and "GPUs may still be held" in e.message
+        ]
     (failure,) = [e for e in result.all_events if e.is_step_failure]
     assert "Release not confirmed: job 1" in failure.step_failure_data.user_failure_data.description
     assert errors and "job 1" in errors[0].message and "RUNNING" in errors[0].message
@@ -274,10 +307,19 @@ def test_on_skypilot_a_confirmed_release_names_what_was_seen(tmp_path, fake_sky)
     fake_sky.add_job(5, Status.RUNNING, {**DOOR})
     fake_sky.pools.append({"name": "gpudoor-eval-1", "status": "READY", "target_num_replicas": 1, "pool_yaml": ""})
     fake_sky.up.append({"name": "lab-demo", "status": "UP"})
-    config = {"releases": [{"kind": "job", "id": "5"}, {"kind": "pool", "id": "gpudoor-eval-1"}, {"kind": "cluster", "id": "lab-demo"}]}
+    config = {
+        "releases": [
+            {"kind": "job", "id": "5"},
+            {"kind": "pool", "id": "gpudoor-eval-1"},
+            {"kind": "cluster", "id": "lab-demo"},
+        ]
+    }
     with dg.instance_for_test() as instance:
-        result = release_held_gpus_job.execute_in_process(run_config={"ops": {"release_held_gpus": {"config": config}}},
-                                                          instance=instance, resources={"skypilot": _sky_client(tmp_path)})  # fmt: skip
+        result = release_held_gpus_job.execute_in_process(
+            run_config={"ops": {"release_held_gpus": {"config": config}}},
+            instance=instance,
+            resources={"skypilot": _sky_client(tmp_path)},
+        )
     seen = {r["id"]: r["seen"] for r in result.output_for_node("release_held_gpus")}
     assert seen["5"][0] == "job 5: CANCELLED" and seen["5"][1].startswith("sky.status: no cluster")
     assert seen["gpudoor-eval-1"] == ["pool gpudoor-eval-1: gone from sky.jobs.pool_status"]
@@ -291,10 +333,15 @@ def test_a_terminated_batch_has_its_jobs_and_warm_pool_released_and_verified(tmp
     both are seen released (no supervisor, no rank's processes) and recorded on the run."""
     specs = tmp_path / "specs"
     specs.mkdir()
-    (specs / "caption.yaml").write_text(yaml.safe_dump({"name": "batch", "resources": {"accelerators": "L4:1"},
-                                                        "run": "echo rank-started; sleep 600"}))  # fmt: skip
-    client = PipesSkyPilotClient(local_home=str(tmp_path / "home"), specs_dir=str(specs), poll_interval_s=0.1,
-                                 transit=TransitBucketResource(local_root=str(tmp_path / "transit")))  # fmt: skip
+    (specs / "caption.yaml").write_text(
+        yaml.safe_dump({"name": "batch", "resources": {"accelerators": "L4:1"}, "run": "echo rank-started; sleep 600"})
+    )
+    client = PipesSkyPilotClient(
+        local_home=str(tmp_path / "home"),
+        specs_dir=str(specs),
+        poll_interval_s=0.1,
+        transit=TransitBucketResource(local_root=str(tmp_path / "transit")),
+    )
     calls = {"n": 0}
     real = LocalBackend.statuses
 
@@ -310,8 +357,15 @@ def test_a_terminated_batch_has_its_jobs_and_warm_pool_released_and_verified(tmp
 
     @dg.asset
     def batch(context: dg.AssetExecutionContext, skypilot: PipesSkyPilotClient) -> None:
-        skypilot.run_batch(context=context, request=skypilot.request(context, "caption"), num_jobs=2, workers=2,
-                           pool_name="gpudoor-test-pool", prepare=lambda envs: {}, on_message=lambda m: None)  # fmt: skip
+        skypilot.run_batch(
+            context=context,
+            request=skypilot.request(context, "caption"),
+            num_jobs=2,
+            workers=2,
+            pool_name="gpudoor-test-pool",
+            prepare=lambda envs: {},
+            on_message=lambda m: None,
+        )
 
     with dg.instance_for_test() as instance:
         result = dg.materialize([batch], instance=instance, resources={"skypilot": client}, raise_on_error=False)

@@ -71,9 +71,7 @@ def test_a_changed_fleet_shows_up(changed_fleet, page):
 
 
 def test_no_env_value_reaches_the_page(page, fleet_raw, changed_fleet):
-    values = {
-        v for pool in fleet_raw["pools"].values() for v in (pool.get("env") or {}).values() if "/" in str(v)
-    }
+    values = {v for pool in fleet_raw["pools"].values() for v in (pool.get("env") or {}).values() if "/" in str(v)}
     assert "/lustre/checkpoints" in values
     for value in values:
         assert value not in page

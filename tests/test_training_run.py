@@ -19,9 +19,13 @@ from tests.conftest import SPECS_DIR
 def door(tmp_path):
     transit = TransitBucketResource(kind="local", local_root=str(tmp_path / "bucket"))
     skypilot = PipesSkyPilotClient(
-        backend="local", fleet_file=str(SPECS_DIR / "fleet.yaml"), local_home=str(tmp_path / "home"),
-        transit=transit, poll_interval_s=0.2, validate_with_skypilot=False,
-    )  # fmt: skip
+        backend="local",
+        fleet_file=str(SPECS_DIR / "fleet.yaml"),
+        local_home=str(tmp_path / "home"),
+        transit=transit,
+        poll_interval_s=0.2,
+        validate_with_skypilot=False,
+    )
     bucket = transit.get_bucket()
     # A published captioned dataset whose data file is missing: the training job fails on it.
     bucket.publish("datasets/gone/captioned/m", {"file": "data.parquet", "rows": 0})
@@ -35,9 +39,11 @@ def door(tmp_path):
 
     def train(**config):
         return defs.resolve_implicit_global_asset_job_def().execute_in_process(
-            instance=instance, asset_selection=[dg.AssetKey("training_run")], raise_on_error=False,
+            instance=instance,
+            asset_selection=[dg.AssetKey("training_run")],
+            raise_on_error=False,
             run_config={"ops": {"training_run": {"config": {"skip_smoke_test": True, **config}}}},
-        )  # fmt: skip
+        )
 
     return bucket, train, instance
 

@@ -34,8 +34,10 @@ def _client(tmp_path: Path, **kwargs) -> PipesSkyPilotClient:
 def _materialize(client: PipesSkyPilotClient, week: str) -> tuple[dict, object, bool]:
     """The week's table and metadata, as the UI shows them."""
     result = dg.materialize(
-        [gpu_usage], partition_key=week, resources={"skypilot": client, "io_manager": TransitIOManager(transit=client.transit)}
-    )  # fmt: skip
+        [gpu_usage],
+        partition_key=week,
+        resources={"skypilot": client, "io_manager": TransitIOManager(transit=client.transit)},
+    )
     (event,) = result.asset_materializations_for_node("gpu_usage")
     return (
         {k: v.value for k, v in event.metadata.items()},
@@ -91,25 +93,63 @@ def test_the_week_counts_every_local_job_by_pool_and_cost_owner(tmp_path):
     backend = client.get_backend()
     run = {"dagster/run-id": "0123456789abcdef", "dagster/job": "__ASSET_JOB"}
     jobs = {
-        "train": (_launch(client, tmp_path, "H200:2", nodes=2, step="train", cost_owner="ml-research", asset="training_run", dagster=run), 4),
-        "caption": (_launch(client, tmp_path, "RTX6000-Ada:1", step="caption", cost_owner="ml-engineering", asset="caption_shards", dagster=run), 1),
+        "train": (
+            _launch(
+                client,
+                tmp_path,
+                "H200:2",
+                nodes=2,
+                step="train",
+                cost_owner="ml-research",
+                asset="training_run",
+                dagster=run,
+            ),
+            4,
+        ),
+        "caption": (
+            _launch(
+                client,
+                tmp_path,
+                "RTX6000-Ada:1",
+                step="caption",
+                cost_owner="ml-engineering",
+                asset="caption_shards",
+                dagster=run,
+            ),
+            1,
+        ),
         # Launched by hand, outside Dagster: no step, no run; routed by its GPU.
         "adhoc": (_launch(client, tmp_path, "L4:1", cost_owner="product-demos"), 1),
-        "rented": (_launch(client, tmp_path, "H100:1", pool="ondemand", cost_owner="ml-research", asset="checkpoint_evals", dagster=run), 1),
-    }  # fmt: skip
+        "rented": (
+            _launch(
+                client,
+                tmp_path,
+                "H100:1",
+                pool="ondemand",
+                cost_owner="ml-research",
+                asset="checkpoint_evals",
+                dagster=run,
+            ),
+            1,
+        ),
+    }
     _wait(backend, [j for j, _ in jobs.values()])
     held = {name: _held_hours(backend, j, gpus) for name, (j, gpus) in jobs.items()}
 
     md, table, ok = _materialize(client, week_of(dt.datetime.now(dt.UTC)))
 
     assert ok
-    expected = {("h200", "ml-research"): held["train"], ("onprem", "ml-engineering"): held["caption"],
-                ("inference", "product-demos"): held["adhoc"], ("ondemand", "ml-research"): held["rented"]}  # fmt: skip
+    expected = {
+        ("h200", "ml-research"): held["train"],
+        ("onprem", "ml-engineering"): held["caption"],
+        ("inference", "product-demos"): held["adhoc"],
+        ("ondemand", "ml-research"): held["rented"],
+    }
     assert _figures(table) == pytest.approx(expected, rel=1e-9)
     assert md["jobs"] == 4 and md["gpu_hours"] == pytest.approx(sum(held.values()), abs=1e-6)
-    assert md["gpu_hours_h200"] == pytest.approx(held["train"], abs=1e-6) and md[
-        "gpu_hours_onprem"
-    ] == pytest.approx(held["caption"], abs=1e-6)
+    assert md["gpu_hours_h200"] == pytest.approx(held["train"], abs=1e-6) and md["gpu_hours_onprem"] == pytest.approx(
+        held["caption"], abs=1e-6
+    )
     # On-prem and rented GPUs cost the fleet's $/GPU-hour; the idle inference GPUs cost nothing.
     fleet = client.get_fleet()
     cost = (
@@ -121,15 +161,12 @@ def test_the_week_counts_every_local_job_by_pool_and_cost_owner(tmp_path):
     assert md["share_off_h200"] == pytest.approx(1 - held["train"] / sum(held.values()), abs=1e-5)
     assert md["preemptions"] == 0 and md["goodput"] == pytest.approx(1.0)
     # Every pool and cost owner of the fleet has its series, so the UI's plots have no gaps.
-    assert {f"gpu_hours_{p}" for p in fleet.pools} <= set(md) and {
-        f"cost_usd_{o}" for o in fleet.cost_owners
-    } <= set(md)
+    assert {f"gpu_hours_{p}" for p in fleet.pools} <= set(md) and {f"cost_usd_{o}" for o in fleet.cost_owners} <= set(
+        md
+    )
     assert "| h200 | ml-research | 1 |" in md["by_pool_and_owner"]
     # The chart: in the metadata as an image the UI's Markdown renders, and in the transit bucket.
-    assert (
-        md["chart"].startswith("![GPU-hours per pool and cost owner")
-        and "(data:image/png;base64," in md["chart"]
-    )
+    assert md["chart"].startswith("![GPU-hours per pool and cost owner") and "(data:image/png;base64," in md["chart"]
     inline = base64.b64decode(md["chart"].split("base64,", 1)[1].rstrip(")"))
     stored = Path(md["chart_uri"].removeprefix("file://")).read_bytes()
     assert inline == stored and Image.open(io.BytesIO(stored)).size == (760, 420)
@@ -158,9 +195,7 @@ def test_a_window_counts_only_its_part_of_a_job(tmp_path):
         # A window that opens halfway through the finished job: its second half only.
         assert hours(middle, end + 1)[("h200", "ml-research")] == pytest.approx(8 * (end - middle) / HOUR)
         # One that closes halfway: its first half only.
-        assert hours(start - 10, middle)[("h200", "ml-research")] == pytest.approx(
-            8 * (middle - start) / HOUR
-        )
+        assert hours(start - 10, middle)[("h200", "ml-research")] == pytest.approx(8 * (middle - start) / HOUR)
         # One that opens after it ended: nothing of it.
         assert ("h200", "ml-research") not in hours(end + 0.5, now)
         # The job still running counts up to the end of the window.
@@ -195,50 +230,135 @@ def test_on_skypilot_the_week_is_read_by_label_from_the_queue_and_the_cluster_hi
     w0 = WEEKS.time_window_for_partition_key(week).start.timestamp()
     w1 = w0 + 7 * 24 * HOUR
     train = _labels("h200", "ml-research", **{"gpudoor-step": "train", "dagster-run-id": "abc"})
-    fake_sky.records = {r.job_id: r for r in [
-        # Inside the week, on 2 nodes of 8 H200 each; preempted once, it ran 1.5 of its 2 hours.
-        Record(1, "train", Status.SUCCEEDED, train, {"H200": 8}, "2x[H200:8]", submitted_at=w0 + 9 * HOUR,
-               start_at=w0 + 10 * HOUR, end_at=w0 + 12 * HOUR, recovery_count=1, job_duration=1.5 * HOUR),
-        # Started before the week and ended an hour into it; its cluster is gone, so the queue shows no
-        # labels nor GPUs any more: they come from the task it was launched with.
-        Record(2, "caption", Status.SUCCEEDED, None, None, "1x[RTX6000-Ada:2]", submitted_at=w0 - 3 * HOUR,
-               start_at=w0 - 2 * HOUR, end_at=w0 + HOUR, job_duration=3 * HOUR,
-               user_yaml=_task_yaml(_labels("onprem", "ml-engineering"), "RTX6000-Ada:2")),
-        # A demo-sized job launched by hand, outside Dagster, still running: it counts up to the week's end.
-        Record(3, "adhoc", Status.RUNNING, _labels("inference", "product-demos"), {"L4": 1}, "1x[L4:1]",
-               submitted_at=w1 - 49 * HOUR, start_at=w1 - 48 * HOUR),
-        # Ended the week before: not counted.
-        Record(4, "old", Status.SUCCEEDED, train, {"H200": 8}, "1x[H200:8]", submitted_at=w0 - 30 * HOUR,
-               start_at=w0 - 29 * HOUR, end_at=w0 - HOUR, job_duration=28 * HOUR),
-        # Someone else's job, not launched through the door: no gpudoor-pool label, not counted.
-        Record(5, "theirs", Status.SUCCEEDED, {"team": "other"}, {"H200": 8}, "1x[H200:8]", submitted_at=w0,
-               start_at=w0 + HOUR, end_at=w0 + 5 * HOUR),
-        # Submitted after the week: not counted.
-        Record(6, "later", Status.RUNNING, train, {"H200": 8}, "1x[H200:8]", submitted_at=w1 + HOUR, start_at=w1 + 2 * HOUR),
-        # Another of the same pool and cost owner, preempted for 2 of its 4 hours.
-        Record(7, "eval", Status.SUCCEEDED, _labels("inference", "product-demos"), {"L4": 1}, "1x[L4:1]",
-               submitted_at=w0 + 20 * HOUR, start_at=w0 + 20 * HOUR, end_at=w0 + 24 * HOUR, recovery_count=2,
-               job_duration=2 * HOUR),
-    ]}  # fmt: skip
+    fake_sky.records = {
+        r.job_id: r
+        for r in [
+            # Inside the week, on 2 nodes of 8 H200 each; preempted once, it ran 1.5 of its 2 hours.
+            Record(
+                1,
+                "train",
+                Status.SUCCEEDED,
+                train,
+                {"H200": 8},
+                "2x[H200:8]",
+                submitted_at=w0 + 9 * HOUR,
+                start_at=w0 + 10 * HOUR,
+                end_at=w0 + 12 * HOUR,
+                recovery_count=1,
+                job_duration=1.5 * HOUR,
+            ),
+            # Started before the week and ended an hour into it; its cluster is gone, so the queue shows no
+            # labels nor GPUs any more: they come from the task it was launched with.
+            Record(
+                2,
+                "caption",
+                Status.SUCCEEDED,
+                None,
+                None,
+                "1x[RTX6000-Ada:2]",
+                submitted_at=w0 - 3 * HOUR,
+                start_at=w0 - 2 * HOUR,
+                end_at=w0 + HOUR,
+                job_duration=3 * HOUR,
+                user_yaml=_task_yaml(_labels("onprem", "ml-engineering"), "RTX6000-Ada:2"),
+            ),
+            # A demo-sized job launched by hand, outside Dagster, still running: it counts up to the week's end.
+            Record(
+                3,
+                "adhoc",
+                Status.RUNNING,
+                _labels("inference", "product-demos"),
+                {"L4": 1},
+                "1x[L4:1]",
+                submitted_at=w1 - 49 * HOUR,
+                start_at=w1 - 48 * HOUR,
+            ),
+            # Ended the week before: not counted.
+            Record(
+                4,
+                "old",
+                Status.SUCCEEDED,
+                train,
+                {"H200": 8},
+                "1x[H200:8]",
+                submitted_at=w0 - 30 * HOUR,
+                start_at=w0 - 29 * HOUR,
+                end_at=w0 - HOUR,
+                job_duration=28 * HOUR,
+            ),
+            # Someone else's job, not launched through the door: no gpudoor-pool label, not counted.
+            Record(
+                5,
+                "theirs",
+                Status.SUCCEEDED,
+                {"team": "other"},
+                {"H200": 8},
+                "1x[H200:8]",
+                submitted_at=w0,
+                start_at=w0 + HOUR,
+                end_at=w0 + 5 * HOUR,
+            ),
+            # Submitted after the week: not counted.
+            Record(
+                6,
+                "later",
+                Status.RUNNING,
+                train,
+                {"H200": 8},
+                "1x[H200:8]",
+                submitted_at=w1 + HOUR,
+                start_at=w1 + 2 * HOUR,
+            ),
+            # Another of the same pool and cost owner, preempted for 2 of its 4 hours.
+            Record(
+                7,
+                "eval",
+                Status.SUCCEEDED,
+                _labels("inference", "product-demos"),
+                {"L4": 1},
+                "1x[L4:1]",
+                submitted_at=w0 + 20 * HOUR,
+                start_at=w0 + 20 * HOUR,
+                end_at=w0 + 24 * HOUR,
+                recovery_count=2,
+                job_duration=2 * HOUR,
+            ),
+        ]
+    }
     # The demo: a lab- cluster launched with sky.launch, not a managed job. SkyPilot's cluster history keeps
     # it after it is torn down: up 3 hours on one L4 this week, and 5 hours the week before.
-    demo = sky.Resources(accelerators={"L4": 1}, labels=_labels("inference", "product-demos", **{"gpudoor-step": "demo"}))
+    demo = sky.Resources(
+        accelerators={"L4": 1}, labels=_labels("inference", "product-demos", **{"gpudoor-step": "demo"})
+    )
     fake_sky.clusters = [
-        {"name": "lab-gpudoor-demo", "num_nodes": 1, "resources": demo,
-         "usage_intervals": [(w0 - 6 * HOUR, w0 - HOUR), (w0 + 30 * HOUR, w0 + 33 * HOUR)]},
+        {
+            "name": "lab-gpudoor-demo",
+            "num_nodes": 1,
+            "resources": demo,
+            "usage_intervals": [(w0 - 6 * HOUR, w0 - HOUR), (w0 + 30 * HOUR, w0 + 33 * HOUR)],
+        },
         # A managed job's own cluster, counted from the queue already; and a cluster launched outside the door.
-        {"name": "train-1", "num_nodes": 2, "resources": sky.Resources(accelerators={"H200": 8}, labels=train),
-         "usage_intervals": [(w0 + 10 * HOUR, w0 + 12 * HOUR)]},
-        {"name": "lab-theirs", "num_nodes": 1, "resources": sky.Resources(accelerators={"L4": 1}),
-         "usage_intervals": [(w0, w0 + 9 * HOUR)]},
-    ]  # fmt: skip
+        {
+            "name": "train-1",
+            "num_nodes": 2,
+            "resources": sky.Resources(accelerators={"H200": 8}, labels=train),
+            "usage_intervals": [(w0 + 10 * HOUR, w0 + 12 * HOUR)],
+        },
+        {
+            "name": "lab-theirs",
+            "num_nodes": 1,
+            "resources": sky.Resources(accelerators={"L4": 1}),
+            "usage_intervals": [(w0, w0 + 9 * HOUR)],
+        },
+    ]
     client = _client(tmp_path, backend="skypilot", api_server_endpoint=fake_sky.endpoint)
 
     md, table, ok = _materialize(client, week)
 
     assert ok
-    assert _figures(table) == pytest.approx({("h200", "ml-research"): 32.0, ("onprem", "ml-engineering"): 2.0,
-                                             ("inference", "product-demos"): 55.0})  # fmt: skip
+    assert _figures(table) == pytest.approx(
+        {("h200", "ml-research"): 32.0, ("onprem", "ml-engineering"): 2.0, ("inference", "product-demos"): 55.0}
+    )
     assert md["gpu_hours"] == pytest.approx(89.0) and md["jobs"] == 5
     assert md["gpu_hours_h200"] == pytest.approx(32.0) and md["gpu_hours_inference"] == pytest.approx(55.0)
     assert md["cost_usd"] == pytest.approx(32 * 2.30 + 2 * 0.35 + 55 * 0.0)

@@ -100,9 +100,7 @@ def _require(condition: bool, message: str) -> None:
 
 
 def _is_str_map(value: Any) -> bool:
-    return isinstance(value, dict) and all(
-        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
-    )
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
 
 
 def _read_batch(batch_uri: str) -> dict[str, Any]:
@@ -370,9 +368,7 @@ def _caption_shard(job: Job, progress: ShardProgress) -> tuple[str, str | None]:
     progress.parts = done.parts
     listed = set(images)  # parts may hold images the shard no longer lists: those do not count
     progress.captioned = len(done.captioned & listed)
-    progress.skipped_images = [
-        {"uri": uri, "reason": reason} for uri, reason in done.skipped.items() if uri in listed
-    ]
+    progress.skipped_images = [{"uri": uri, "reason": reason} for uri, reason in done.skipped.items() if uri in listed]
     progress.skipped = len(progress.skipped_images)
     todo = [uri for uri in images if uri not in done.uris]
     if done.parts:

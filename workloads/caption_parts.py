@@ -122,9 +122,7 @@ def read_done(output_uri: str, pool: Executor) -> DoneImages:
 
     done = DoneImages(parts=parts, captioned=set(), skipped={})
     for table in pool.map(columns, parts):
-        for uri, error in zip(
-            table.column("image_uri").to_pylist(), table.column("error").to_pylist(), strict=True
-        ):
+        for uri, error in zip(table.column("image_uri").to_pylist(), table.column("error").to_pylist(), strict=True):
             if error is None:
                 done.captioned.add(uri)
             else:

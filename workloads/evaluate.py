@@ -121,9 +121,7 @@ class Evaluator:
             self._heldout[key] = images, colors, shapes
         return self._heldout[key]
 
-    def evaluate(
-        self, checkpoint_uri: str, dataset_uri: str, output_uri: str, prefix: str = ""
-    ) -> dict[str, Any]:
+    def evaluate(self, checkpoint_uri: str, dataset_uri: str, output_uri: str, prefix: str = "") -> dict[str, Any]:
         """Score a checkpoint and write its metrics.json; ``prefix`` starts each log line.
 
         Returns:
@@ -145,10 +143,7 @@ class Evaluator:
             raise EvalError(f"cannot read the model file {model_uri}: {type(exc).__name__}: {exc}") from exc
         vocab = state["vocab"]
         images, colors, shapes = self.heldout(dataset_uri, vocab, prefix)
-        say(
-            f"{prefix}evaluating step {state['step']} of {checkpoint_uri} on {len(images)} held-out "
-            f"images ({device})"
-        )
+        say(f"{prefix}evaluating step {state['step']} of {checkpoint_uri} on {len(images)} held-out images ({device})")
 
         color_hits = shape_hits = both_hits = 0
         for start in range(0, len(images), self.batch_size):
@@ -221,9 +216,7 @@ def _require(condition: bool, message: str) -> None:
 
 
 def _is_str_map(value: Any) -> bool:
-    return isinstance(value, dict) and all(
-        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
-    )
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
 
 
 def _read_batch(batch_uri: str) -> dict[str, Any]:
@@ -238,9 +231,7 @@ def _read_batch(batch_uri: str) -> dict[str, Any]:
 
 
 def _checkpoint_task(entry: Any, where: str) -> CheckpointTask:
-    _require(
-        isinstance(entry, dict), f"{where} must be an object with {', '.join(CHECKPOINT_KEYS)}: {entry!r}"
-    )
+    _require(isinstance(entry, dict), f"{where} must be an object with {', '.join(CHECKPOINT_KEYS)}: {entry!r}")
     for key in CHECKPOINT_KEYS:
         _require(key in entry, f"{where} has no {key}")
         _require(

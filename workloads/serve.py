@@ -49,9 +49,7 @@ class Demo:
         png, color, shape = generate_image(index, color=color, shape=shape)
         with self._lock:
             color_pred, shape_pred = predict(self.model, image_to_input(png).unsqueeze(0).to(self.device))
-        prediction = caption_text(
-            self.vocab["colors"][int(color_pred[0])], self.vocab["shapes"][int(shape_pred[0])]
-        )
+        prediction = caption_text(self.vocab["colors"][int(color_pred[0])], self.vocab["shapes"][int(shape_pred[0])])
         return {
             "input": {"color": color, "shape": shape, "index": index},
             "prediction": prediction,
@@ -99,9 +97,7 @@ def main() -> int:
 
     device = pick_device()
     model, state = load_model(checkpoint_uri, device)
-    server = ThreadingHTTPServer(
-        (host, port), make_handler(Demo(model, state["vocab"], device, checkpoint_uri))
-    )
+    server = ThreadingHTTPServer((host, port), make_handler(Demo(model, state["vocab"], device, checkpoint_uri)))
     server.daemon_threads = True
 
     def stop(signum: int, _frame: FrameType | None) -> None:
@@ -112,9 +108,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     bound_host, bound_port = server.server_address[:2]
-    print(
-        f"serving on http://{bound_host}:{bound_port} (checkpoint step {state['step']}, {device})", flush=True
-    )
+    print(f"serving on http://{bound_host}:{bound_port} (checkpoint step {state['step']}, {device})", flush=True)
     try:
         server.serve_forever()
     finally:

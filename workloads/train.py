@@ -86,9 +86,7 @@ def read_settings() -> tuple[dict[str, Any], str | None]:
     return dict(
         dataset_uri=env_str("DATASET_URI"),
         output_uri=env_str("OUTPUT_URI"),
-        checkpoints_dir=env_str(
-            "CHECKPOINTS_DIR", os.path.join(tempfile.gettempdir(), "gpudoor-checkpoints")
-        ),
+        checkpoints_dir=env_str("CHECKPOINTS_DIR", os.path.join(tempfile.gettempdir(), "gpudoor-checkpoints")),
         max_steps=env_int("MAX_STEPS", 60),
         checkpoint_every=env_int("CHECKPOINT_EVERY", 20),
         batch_size=env_int("BATCH_SIZE", 32),
@@ -128,9 +126,7 @@ def write_ended_marker(uri: str, output_uri: str, ending: Ending) -> None:
         write_bytes(uri, json.dumps(marker).encode())
         log(f"training {ending.state}: marker written to {uri}")
     except Exception as exc:
-        print(
-            f"cannot write the ended marker {uri}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True
-        )
+        print(f"cannot write the ended marker {uri}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 
 
 def run(settings: dict[str, Any]) -> Ending:
@@ -147,9 +143,7 @@ def run(settings: dict[str, Any]) -> Ending:
         # ranks have joined the process group), so all ranks resume from the same step.
         latest = None if settings["smoke"] else latest_checkpoint(settings["output_uri"])
         if latest and latest[0] >= settings["max_steps"]:
-            log(
-                f"checkpoint at step {latest[0]} already reaches MAX_STEPS={settings['max_steps']}; nothing to do"
-            )
+            log(f"checkpoint at step {latest[0]} already reaches MAX_STEPS={settings['max_steps']}; nothing to do")
             reporter.report_asset_materialization(
                 metadata={
                     "steps": latest[0],
@@ -164,8 +158,12 @@ def run(settings: dict[str, Any]) -> Ending:
         from workloads.training import TrainingError, TrainSettings, train
 
         try:
-            result = train(TrainSettings(**settings), latest[1] if latest else None, log,
-                           on_checkpoint=lambda step: reporter.report_custom_message(saved("checkpoint", step=step)))  # fmt: skip
+            result = train(
+                TrainSettings(**settings),
+                latest[1] if latest else None,
+                log,
+                on_checkpoint=lambda step: reporter.report_custom_message(saved("checkpoint", step=step)),
+            )
         except TrainingError as exc:
             print(str(exc), file=sys.stderr, flush=True)
             return Ending("failed", reason=one_line(str(exc)))
@@ -190,7 +188,9 @@ def main() -> int:
         ending = run(settings)
     except ConfigError as exc:  # bad settings: a restart of the job fails the same way
         if marker_uri:
-            write_ended_marker(marker_uri, settings["output_uri"], Ending("failed", one_line(f"configuration error: {exc}")))
+            write_ended_marker(
+                marker_uri, settings["output_uri"], Ending("failed", one_line(f"configuration error: {exc}"))
+            )
         raise
     # A failed run (a TrainingError, a crash) writes no marker: SkyPilot may restart the job on an
     # error (the task's job_recovery), and it resumes. The orchestrator records the failure once the

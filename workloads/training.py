@@ -202,9 +202,7 @@ def _check_round_trip(s: TrainSettings, model: nn.Module, device: torch.device) 
     """Smoke check: the last checkpoint is complete in storage and reads back identical."""
     found = latest_checkpoint(s.output_uri)
     if not found or found[0] != s.max_steps:
-        raise TrainingError(
-            f"smoke test failed: no complete checkpoint for step {s.max_steps} in {s.output_uri}"
-        )
+        raise TrainingError(f"smoke test failed: no complete checkpoint for step {s.max_steps} in {s.output_uri}")
     reloaded, _ = load_model(found[1], device)
     pairs = zip(model.state_dict().values(), reloaded.state_dict().values(), strict=True)
     if not all(torch.equal(a, b) for a, b in pairs):

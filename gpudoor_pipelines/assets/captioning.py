@@ -48,9 +48,7 @@ class DatasetConfig(dg.Config):
         default=24, ge=1, description="Images per shard (new shards only: known images keep theirs)."
     )
     num_images: int = Field(default=96, ge=1, description="Images of the generated sample (no source).")
-    image_size: int = Field(
-        default=32, ge=8, description="Width and height of the generated images, in pixels."
-    )
+    image_size: int = Field(default=32, ge=8, description="Width and height of the generated images, in pixels.")
 
 
 @dg.asset(
@@ -95,9 +93,7 @@ def dataset_shards(
             "shards_new": len(registration.new_shards),
             "files_skipped": len(listing.skipped),
             "files_skipped_by_reason": dg.MetadataValue.json(skipped),
-            "files_skipped_sample": dg.MetadataValue.json(
-                [{"uri": u, "reason": r} for u, r in listing.skipped[:20]]
-            ),
+            "files_skipped_sample": dg.MetadataValue.json([{"uri": u, "reason": r} for u, r in listing.skipped[:20]]),
         },
     )
 
@@ -109,18 +105,12 @@ class CaptionConfig(LaunchConfig):
         default=None,
         description="ISO time after which no job starts new work (the nightly schedule sets it).",
     )
-    max_workers: int | None = Field(
-        default=None, ge=1, description="At most this many workers, whatever is free."
-    )
+    max_workers: int | None = Field(default=None, ge=1, description="At most this many workers, whatever is free.")
     shards_per_job: int | None = Field(
         default=None, ge=1, description="Shards per job (default: a few jobs per worker)."
     )
-    max_attempts: int = Field(
-        default=3, ge=1, description="Tries per shard in this run before it is reported failed."
-    )
-    wait_for_gpus_s: float = Field(
-        default=600.0, ge=0, description="How long to wait for a free GPU when none is."
-    )
+    max_attempts: int = Field(default=3, ge=1, description="Tries per shard in this run before it is reported failed.")
+    wait_for_gpus_s: float = Field(default=600.0, ge=0, description="How long to wait for a free GPU when none is.")
 
 
 @dg.asset(
@@ -154,14 +144,19 @@ def caption_shards(
         try:
             dataset_of(shard)
         except ValueError as e:
-            raise dg.Failure(
-                description=f"Nothing was launched. {e}. Fix: re-materialize dataset_shards."
-            ) from None
+            raise dg.Failure(description=f"Nothing was launched. {e}. Fix: re-materialize dataset_shards.") from None
     window_end = datetime.datetime.fromisoformat(config.window_end) if config.window_end else None
     night = CaptionNight(
-        context, skypilot, transit.get_bucket(), request, window_end=window_end, max_workers=config.max_workers,
-        shards_per_job=config.shards_per_job, max_attempts=config.max_attempts, wait_for_gpus_s=config.wait_for_gpus_s,
-    )  # fmt: skip
+        context,
+        skypilot,
+        transit.get_bucket(),
+        request,
+        window_end=window_end,
+        max_workers=config.max_workers,
+        shards_per_job=config.shards_per_job,
+        max_attempts=config.max_attempts,
+        wait_for_gpus_s=config.wait_for_gpus_s,
+    )
     report = night.run(shards)
     context.log.info(f"Captioning: {report.to_metadata('shards')}")
     if report.left:

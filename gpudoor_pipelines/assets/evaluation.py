@@ -93,9 +93,12 @@ class CheckpointEvals(PackedRun):
         accuracy, chance = float(metrics["accuracy"]), _chance(metrics)
         self.context.log_event(
             dg.AssetCheckEvaluation(
-                asset_key=self.context.asset_key, check_name=ACCURACY_CHECK, passed=accuracy > chance,
-                metadata={"accuracy": accuracy, "chance": chance}, partition=item,
-            )  # fmt: skip
+                asset_key=self.context.asset_key,
+                check_name=ACCURACY_CHECK,
+                passed=accuracy > chance,
+                metadata={"accuracy": accuracy, "chance": chance},
+                partition=item,
+            )
         )
 
 
@@ -129,10 +132,14 @@ def _datasets(bucket: TransitBucket, checkpoints: Sequence[str]) -> tuple[dict[s
 @dg.multi_asset(
     specs=[
         dg.AssetSpec(
-            "checkpoint_evals", group_name="evaluation", deps=[training_run], kinds={"skypilot", "pytorch"},
-            partitions_def=checkpoint_partitions, skippable=True,
+            "checkpoint_evals",
+            group_name="evaluation",
+            deps=[training_run],
+            kinds={"skypilot", "pytorch"},
+            partitions_def=checkpoint_partitions,
+            skippable=True,
             description="Held-out accuracy of each checkpoint, measured on spare GPUs.",
-        )  # fmt: skip
+        )
     ],
     check_specs=[
         dg.AssetCheckSpec(ACCURACY_CHECK, asset="checkpoint_evals", description="Held-out accuracy beats chance.")
@@ -167,15 +174,23 @@ def checkpoint_evals(
     report = None
     if todo:
         run = CheckpointEvals(
-            context, skypilot, bucket, skypilot.request(context, "eval", config=config), datasets=datasets,
-            max_workers=config.max_workers, items_per_job=config.checkpoints_per_job,
-            max_attempts=config.max_attempts, wait_for_gpus_s=config.wait_for_gpus_s,
-        )  # fmt: skip
+            context,
+            skypilot,
+            bucket,
+            skypilot.request(context, "eval", config=config),
+            datasets=datasets,
+            max_workers=config.max_workers,
+            items_per_job=config.checkpoints_per_job,
+            max_attempts=config.max_attempts,
+            wait_for_gpus_s=config.wait_for_gpus_s,
+        )
         report = run.run(todo)
         context.log.info(f"Evaluation: {report.to_metadata('checkpoints')}")
         problems.update(report.failed)
         if report.left:
-            problems.update(dict.fromkeys(report.left, f"no free GPU within {config.wait_for_gpus_s:.0f} s ({report.no_gpu})"))
+            problems.update(
+                dict.fromkeys(report.left, f"no free GPU within {config.wait_for_gpus_s:.0f} s ({report.no_gpu})")
+            )
     if problems:
         checkpoint, reason = next(iter(problems.items()))
         raise dg.Failure(
@@ -212,7 +227,9 @@ def _latest_training(instance: dg.DagsterInstance) -> str | None:
 
 
 @dg.asset(group_name="evaluation", deps=[checkpoint_evals], kinds={"python"})
-def best_checkpoint(context: dg.AssetExecutionContext, config: BestConfig, transit: TransitBucketResource) -> TransitRef:
+def best_checkpoint(
+    context: dg.AssetExecutionContext, config: BestConfig, transit: TransitBucketResource
+) -> TransitRef:
     """The checkpoint with the best held-out accuracy within one training (the latest, or the one named)."""
     bucket = transit.get_bucket()
     if config.training_id:
@@ -223,7 +240,9 @@ def best_checkpoint(context: dg.AssetExecutionContext, config: BestConfig, trans
     else:
         training, chosen_by = _latest_training(context.instance), "the latest training"
         if training is None:
-            raise dg.Failure(description="No training yet. Fix: materialize training_run, or name one in run config (training_id).")
+            raise dg.Failure(
+                description="No training yet. Fix: materialize training_run, or name one in run config (training_id)."
+            )
     keys = [k for k in bucket.list_keys(f"{layout.EVALS}/{training}.") if k.endswith("/metrics.json")]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda k: {"checkpoint": k.split("/")[1], **json.loads(bucket.get_bytes(k))}, keys))

@@ -55,8 +55,13 @@ class CaptionNight(PackedRun):
             "caption_model": self.model,
             "captions_uri": dg.MetadataValue.path(self.bucket.uri(captions_prefix(self.model, item))),
         }
-        for key, name in (("total", "images_total"), ("captioned", "images_captioned"),
-                          ("skipped", "images_skipped"), ("parts", "parts"), ("seconds", "seconds")):  # fmt: skip
+        for key, name in (
+            ("total", "images_total"),
+            ("captioned", "images_captioned"),
+            ("skipped", "images_skipped"),
+            ("parts", "parts"),
+            ("seconds", "seconds"),
+        ):
             if key in message:
                 metadata[name] = message[key]
         if message.get("skipped_images"):

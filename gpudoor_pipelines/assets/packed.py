@@ -176,9 +176,7 @@ class PackedRun(abc.ABC):
                 if self._window_over():
                     self.report.left = todo
                     break
-                plan = self.skypilot.plan_batch(
-                    self.request, pool_name=self.pool_name, max_workers=self.max_workers
-                )
+                plan = self.skypilot.plan_batch(self.request, pool_name=self.pool_name, max_workers=self.max_workers)
                 if plan.workers == 0:
                     if not self._wait_for_gpus(plan.reason):
                         self.report.left = todo
@@ -192,9 +190,7 @@ class PackedRun(abc.ABC):
 
     def _wave(self, todo: list[str], workers: int, attempts: dict[str, int]) -> list[str]:
         """One batch over ``todo``; returns the items still to do."""
-        jobs = (
-            math.ceil(len(todo) / self.items_per_job) if self.items_per_job else workers * JOBS_PER_WORKER
-        )
+        jobs = math.ceil(len(todo) / self.items_per_job) if self.items_per_job else workers * JOBS_PER_WORKER
         groups = pack(todo, jobs)
         self.report.waves += 1
         self.report.jobs += len(groups)
@@ -208,7 +204,10 @@ class PackedRun(abc.ABC):
             if not isinstance(message, Mapping) or message.get(field) not in rank_of:
                 return
             rank = rank_of[message[field]]
-            if isinstance(message.get(DURABLE_AT), int | float) and message[DURABLE_AT] >= saved.get(rank, (0.0, ""))[0]:
+            if (
+                isinstance(message.get(DURABLE_AT), int | float)
+                and message[DURABLE_AT] >= saved.get(rank, (0.0, ""))[0]
+            ):
                 saved[rank] = (float(message[DURABLE_AT]), message[field])
             state = message.get("state")
             if state == "done":
@@ -243,10 +242,16 @@ class PackedRun(abc.ABC):
             self._charge_lost(rank, groups, outcome, saved, started_at=info.started_at, end=seen_at)
 
         result = self.skypilot.run_batch(
-            context=self.context, request=self.request, num_jobs=len(groups), workers=workers,
-            pool_name=self.pool_name, prepare=prepare, on_message=on_message, on_submitted=on_submitted,
+            context=self.context,
+            request=self.request,
+            num_jobs=len(groups),
+            workers=workers,
+            pool_name=self.pool_name,
+            prepare=prepare,
+            on_message=on_message,
+            on_submitted=on_submitted,
             on_preempted=on_preempted,
-        )  # fmt: skip
+        )
         for record in result.records():
             self.report.gpu_hours += record.gpu_hours
             self.report.cost_usd += record.cost_usd
@@ -279,16 +284,31 @@ class PackedRun(abc.ABC):
         return still
 
     # ------------------------------------------------------------------ pieces
-    def _count_lost(self, result: BatchResult, groups: list[list[str]], outcome: Mapping[str, Mapping[str, Any]],
-                    saved: Mapping[int, tuple[float, str]]) -> None:  # fmt: skip
+    def _count_lost(
+        self,
+        result: BatchResult,
+        groups: list[list[str]],
+        outcome: Mapping[str, Mapping[str, Any]],
+        saved: Mapping[int, tuple[float, str]],
+    ) -> None:
         """What the jobs that stopped before finishing lost: the work since their last save (or their start),
         charged to the item they were on (the one of their last save, else their first unfinished one)."""
         for rank in result.failed_ranks:
             info = result.infos[rank]
-            self._charge_lost(rank, groups, outcome, saved, started_at=info.started_at, end=info.ended_at or self.clock())
+            self._charge_lost(
+                rank, groups, outcome, saved, started_at=info.started_at, end=info.ended_at or self.clock()
+            )
 
-    def _charge_lost(self, rank: int, groups: list[list[str]], outcome: Mapping[str, Mapping[str, Any]],
-                     saved: Mapping[int, tuple[float, str]], *, started_at: float | None, end: float) -> None:  # fmt: skip
+    def _charge_lost(
+        self,
+        rank: int,
+        groups: list[list[str]],
+        outcome: Mapping[str, Mapping[str, Any]],
+        saved: Mapping[int, tuple[float, str]],
+        *,
+        started_at: float | None,
+        end: float,
+    ) -> None:
         """One interruption of a rank's job at ``end``: the work since its last save (or its start) is lost,
         charged to the item it was on (the one of its last save, else its first unfinished one)."""
         if started_at is None:
@@ -315,14 +335,21 @@ class PackedRun(abc.ABC):
             return {}
         route = self._job.route
         interrupted, lost_s = self._lost.get(item, (0, 0.0))
-        lost = {"interruptions": interrupted, "gpu_hours_lost_to_interruptions": round(route.total_gpus * lost_s / 3600.0, 6)}
+        lost = {
+            "interruptions": interrupted,
+            "gpu_hours_lost_to_interruptions": round(route.total_gpus * lost_s / 3600.0, 6),
+        }
         return dict(
-            job_id=self._job_ids[rank], job_rank=rank, worker_pool=self.pool_name, pool=self._job.pool,
-            infra=route.infra, accelerators=route.accelerators or "none (CPU-only)",
+            job_id=self._job_ids[rank],
+            job_rank=rank,
+            worker_pool=self.pool_name,
+            pool=self._job.pool,
+            infra=route.infra,
+            accelerators=route.accelerators or "none (CPU-only)",
             gpu_hours=round(route.total_gpus * seconds / 3600.0, 6),
             cost_usd_estimate=round(route.usd_per_hour * seconds / 3600.0, 6),
             **(lost if interrupted else {}),
-        )  # fmt: skip
+        )
 
     def _window_over(self) -> bool:
         return self.window_end is not None and self.clock() >= self.window_end.timestamp()
@@ -338,7 +365,7 @@ class PackedRun(abc.ABC):
             self.report.no_gpu = reason
             return False
         # Back off from 2 s to 30 s: a GPU freed soon is taken soon, and a long wait costs few requests.
-        step = max(0.5, min(30.0, 2.0 * 2 ** self._waits, limit - waited))
+        step = max(0.5, min(30.0, 2.0 * 2**self._waits, limit - waited))
         self._waits += 1
         self.context.log.info(f"No free GPU for {self.doing} ({reason}); waiting {step:.0f} s.")
         time.sleep(step)

@@ -34,9 +34,7 @@ class TrainConfig(LaunchConfig):
     training_name: str | None = Field(
         default=None, description="A name for people (kept as a label in the metadata and run tags, not in keys)."
     )
-    skip_smoke_test: bool = Field(
-        default=False, description="Skip the short run on the target GPU (not recommended)."
-    )
+    skip_smoke_test: bool = Field(default=False, description="Skip the short run on the target GPU (not recommended).")
 
 
 def run_info_key(training_id: str) -> str:
@@ -121,7 +119,9 @@ def _smoke_then_train(
     if not config.skip_smoke_test:
         context.log.info("Smoke test on the target GPU before the long run.")
         inputs = {"DATASET_URI": dataset_uri, "OUTPUT_URI": bucket.uri(f"{layout.SMOKE}/{training_id}")}
-        smoke = skypilot.run(context=context, request=skypilot.request(context, "smoke", inputs=inputs, config=overrides))
+        smoke = skypilot.run(
+            context=context, request=skypilot.request(context, "smoke", inputs=inputs, config=overrides)
+        )
         smoke_md = {
             f"smoke_{k}": v
             for k, v in smoke.record.to_metadata().items()
@@ -130,9 +130,7 @@ def _smoke_then_train(
     inputs = {"DATASET_URI": dataset_uri, "OUTPUT_URI": bucket.uri(prefix), "ENDED_MARKER_URI": bucket.uri(ended_key)}
     done = skypilot.run(context=context, request=skypilot.request(context, "train", inputs=inputs, config=config))
     checkpoints = sorted(
-        k
-        for k in (checkpoint_from_manifest_key(key) for key in bucket.list_keys(prefix + "/"))
-        if k is not None
+        k for k in (checkpoint_from_manifest_key(key) for key in bucket.list_keys(prefix + "/")) if k is not None
     )
     if not checkpoints:
         raise dg.Failure(

@@ -53,9 +53,7 @@ def training_pools(fleet: Fleet) -> set[str]:
     return set(fleet.routes.get(TRAINING_STEP, ()))
 
 
-def usage_table(
-    jobs: Sequence[JobUsage], since: float, until: float, fleet: Fleet, *, now: float
-) -> pd.DataFrame:
+def usage_table(jobs: Sequence[JobUsage], since: float, until: float, fleet: Fleet, *, now: float) -> pd.DataFrame:
     """One row per (pool, cost owner) of the jobs' GPU use between ``since`` and ``until``.
 
     Only the part of a job inside the window counts. A job's preemptions count in the week it ended
@@ -68,8 +66,10 @@ def usage_table(
         held_h = job.gpus * job.held_s(since, until) / 3600.0
         if held_h <= 0:
             continue
-        row = rows.setdefault((job.pool, job.cost_owner), {"jobs": 0, "gpu_hours": 0.0, "preemptions": 0,
-                                                           "useful_gpu_hours": 0.0, "timed_gpu_hours": 0.0})  # fmt: skip
+        row = rows.setdefault(
+            (job.pool, job.cost_owner),
+            {"jobs": 0, "gpu_hours": 0.0, "preemptions": 0, "useful_gpu_hours": 0.0, "timed_gpu_hours": 0.0},
+        )
         row["jobs"] += 1
         row["gpu_hours"] += held_h
         ended_here = job.ended_at is not None and since <= job.ended_at < until
@@ -83,8 +83,15 @@ def usage_table(
     for (pool, owner), row in sorted(rows.items()):
         rate = fleet.pools[pool].usd_per_gpu_hour if pool in fleet.pools else math.nan
         timed = row["timed_gpu_hours"]
-        out.append({"pool": pool, "cost_owner": owner, **row, "cost_usd": row["gpu_hours"] * rate,
-                    "goodput": row["useful_gpu_hours"] / timed if timed else math.nan})  # fmt: skip
+        out.append(
+            {
+                "pool": pool,
+                "cost_owner": owner,
+                **row,
+                "cost_usd": row["gpu_hours"] * rate,
+                "goodput": row["useful_gpu_hours"] / timed if timed else math.nan,
+            }
+        )
     return pd.DataFrame(out, columns=COLUMNS)
 
 
@@ -100,7 +107,7 @@ def usage_metadata(table: pd.DataFrame, fleet: Fleet) -> dict[str, float | int]:
         "preemptions": int(table["preemptions"].sum()),
         "goodput": round(float(table["useful_gpu_hours"].sum()) / timed, 6) if timed else math.nan,
         "share_off_h200": round(1.0 - h200 / hours, 6) if hours else math.nan,
-    }  # fmt: skip
+    }
     for pool in sorted({*fleet.pools, *table["pool"]}):
         md[f"gpu_hours_{pool}"] = round(float(table.loc[table["pool"] == pool, "gpu_hours"].sum()), 6)
     for owner in sorted({*fleet.cost_owners, *table["cost_owner"]}):
@@ -150,9 +157,7 @@ def chart_png(table: pd.DataFrame, pools: Sequence[str], title: str) -> bytes:
         x0, x1 = left + slot * (i + 0.2), left + slot * (i + 0.8)
         base = top + plot_h
         for owner in owners:
-            hours = float(
-                table.loc[(table["pool"] == pool) & (table["cost_owner"] == owner), "gpu_hours"].sum()
-            )
+            hours = float(table.loc[(table["pool"] == pool) & (table["cost_owner"] == owner), "gpu_hours"].sum())
             if hours <= 0:
                 continue
             h = plot_h * hours / scale

@@ -56,9 +56,7 @@ class RunFacts:
     @classmethod
     def from_tags(cls, status: str, ended_at: float | None, tags: Mapping[str, str]) -> RunFacts:
         """The facts of a run from its status, end and tags."""
-        ids = frozenset(
-            v.rsplit(":", 1)[-1] for k, v in tags.items() if k.startswith(TAG_JOB_PREFIX) and ":" in v
-        )
+        ids = frozenset(v.rsplit(":", 1)[-1] for k, v in tags.items() if k.startswith(TAG_JOB_PREFIX) and ":" in v)
         return cls(status=status, ended_at=ended_at, job_ids=ids)
 
 
@@ -123,15 +121,11 @@ def plan_releases(
         run = runs.get(run_id)
         if run is None:
             if age > grace:
-                out.append(
-                    Release(h, f"its Dagster run {run_id} is unknown to this instance (held {_minutes(age)})")
-                )
+                out.append(Release(h, f"its Dagster run {run_id} is unknown to this instance (held {_minutes(age)})"))
         elif run.status in ENDED_RUN_STATUSES:
             ended = run.ended_at if run.ended_at is not None else since
             if now - ended > grace:
-                out.append(
-                    Release(h, f"its Dagster run {run_id} ended {run.status} {_minutes(now - ended)} ago")
-                )
+                out.append(Release(h, f"its Dagster run {run_id} ended {run.status} {_minutes(now - ended)} ago"))
         elif age > grace and not _launched_by(h, run_id, run):
             out.append(Release(h, f"it names the running Dagster run {run_id}, which did not launch it"))
     return out

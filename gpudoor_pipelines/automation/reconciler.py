@@ -83,8 +83,9 @@ def reconcile_tick(
     for h in holdings:
         first_seen.setdefault(h.key, now)
     runs = run_facts(instance, named_runs(holdings, key))
-    judged = plan_releases(holdings, runs, now=now, policy=policy, first_seen=first_seen, label_key=key,
-                           deployment=deployment_name())  # fmt: skip
+    judged = plan_releases(
+        holdings, runs, now=now, policy=policy, first_seen=first_seen, label_key=key, deployment=deployment_name()
+    )
     retry_s = retry_after_s(policy)
     asked = {k: v for k, v in (cursor.get("asked") or {}).items() if k in keys and now - v < retry_s}
     fresh = [r for r in judged if r.holding.key not in asked]
@@ -103,8 +104,18 @@ def run_request(releases: Sequence[Release], now: float, retry_s: float) -> dg.R
     """One run releasing ``releases``; keyed by what it releases (and the retry window it falls in)."""
     keys = sorted(r.holding.key for r in releases)
     digest = hashlib.sha256("\n".join(keys).encode()).hexdigest()[:16]
-    config = ReleaseConfig(releases=[HeldConfig(kind=r.holding.kind, id=r.holding.id, name=r.holding.name,
-                                                labels=dict(r.holding.labels), reason=r.reason) for r in releases])  # fmt: skip
+    config = ReleaseConfig(
+        releases=[
+            HeldConfig(
+                kind=r.holding.kind,
+                id=r.holding.id,
+                name=r.holding.name,
+                labels=dict(r.holding.labels),
+                reason=r.reason,
+            )
+            for r in releases
+        ]
+    )
     return dg.RunRequest(
         run_key=f"release-{digest}-{int(now // retry_s)}",
         run_config={"ops": {"release_held_gpus": {"config": config.model_dump()}}},
@@ -156,16 +167,16 @@ def _record_on_owners(context: dg.OpExecutionContext, outcomes: Sequence[Release
         if not run_id or context.instance.get_run_by_id(run_id) is None:
             continue
         verdict = f"{'confirmed' if o.confirmed else 'NOT confirmed'} in {o.seconds:.0f} s by run {context.run_id[:8]}"
-        context.instance.add_run_tags(
-            run_id, {f"{TAG_RELEASED_PREFIX}{o.holding.kind}-{o.holding.id}"[:255]: verdict}
-        )
+        context.instance.add_run_tags(run_id, {f"{TAG_RELEASED_PREFIX}{o.holding.kind}-{o.holding.id}"[:255]: verdict})
 
 
 def _table(records: Sequence[dict]) -> str:
     lines = ["| what | id | released | seconds | why | seen |", "|---|---|---|---|---|---|"]
     for r in records:
-        lines.append(f"| {r['kind']} | {r['id']} | {'yes' if r['confirmed'] else '**NOT CONFIRMED**'} | {r['seconds']} "
-                     f"| {r['reason']} | {'; '.join(r['seen'])} |")  # fmt: skip
+        lines.append(
+            f"| {r['kind']} | {r['id']} | {'yes' if r['confirmed'] else '**NOT CONFIRMED**'} | {r['seconds']} "
+            f"| {r['reason']} | {'; '.join(r['seen'])} |"
+        )
     return "\n".join(lines)
 
 
@@ -177,9 +188,7 @@ def release_held_gpus_job() -> None:
     release_held_gpus()
 
 
-@dg.sensor(
-    job=release_held_gpus_job, minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.RUNNING
-)
+@dg.sensor(job=release_held_gpus_job, minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.RUNNING)
 def orphan_reconciler(context: dg.SensorEvaluationContext, skypilot: PipesSkyPilotClient) -> dg.SensorResult:
     """Releases jobs and warm pools whose Dagster run has ended or is unknown, and interactive clusters past
     their time to live (see the module docstring)."""
@@ -194,11 +203,7 @@ def orphan_reconciler(context: dg.SensorEvaluationContext, skypilot: PipesSkyPil
         lines = [f"{r.holding.describe()}: {r.reason}" for r in fresh]
         for line in lines:
             context.log.info(f"dry run: would release {line}")
-        said = (
-            f"dry run: would release {len(lines)}: " + "; ".join(lines)
-            if lines
-            else "dry run: nothing to release"
-        )
+        said = f"dry run: would release {len(lines)}: " + "; ".join(lines) if lines else "dry run: nothing to release"
         return dg.SensorResult(skip_reason=said, cursor=cursor_text)
     if not fresh:
         return dg.SensorResult(skip_reason="nothing to release", cursor=cursor_text)

@@ -68,9 +68,7 @@ def build_schedules(window: NightWindow) -> list[dg.ScheduleDefinition]:
         requests = night_runs(
             shards, done, night=start.strftime("%Y-%m-%d"), window_end=window.end_after(start).isoformat()
         )
-        return requests or dg.SkipReason(
-            f"All {len(shards)} shards are captioned by {default_caption_model()}."
-        )
+        return requests or dg.SkipReason(f"All {len(shards)} shards are captioned by {default_caption_model()}.")
 
     @dg.schedule(
         name="morning_merge_schedule",

@@ -34,7 +34,9 @@ _SERVER_FIELDS = {"api_server_endpoint", "service_account_token"}
 class DoorError(Exception):
     """An answer that is not a success: its JSON form and its exit code."""
 
-    def __init__(self, code: int, error: str, file: str = "", field: str = "", problem: str = "", fix: str = "", **extra: Any) -> None:
+    def __init__(
+        self, code: int, error: str, file: str = "", field: str = "", problem: str = "", fix: str = "", **extra: Any
+    ) -> None:
         super().__init__(problem or error)
         self.code = code
         self.payload = {"error": error, "file": file, "field": field, "problem": problem, "fix": fix, **extra}
@@ -73,8 +75,13 @@ def _job_info(info: JobInfo) -> dict[str, Any]:
 
 
 def _no_such_job(job_id: str) -> DoorError:
-    return DoorError(EXIT_NO_SUCH_JOB, "no such job", field="job_id", problem=f"the backend has no job {job_id}",
-                     fix="use a job id `gpudoor launch` printed, or `gpudoor status` to list your jobs")  # fmt: skip
+    return DoorError(
+        EXIT_NO_SUCH_JOB,
+        "no such job",
+        field="job_id",
+        problem=f"the backend has no job {job_id}",
+        fix="use a job id `gpudoor launch` printed, or `gpudoor status` to list your jobs",
+    )
 
 
 def launch(
@@ -100,9 +107,16 @@ def launch(
         bucket = open_bucket(**settings_from_env())
         request = LaunchRequest(
             spec=load_spec(spec, launcher.settings.specs_dir, skypilot=True, strict=False),
-            inputs=bucket.job_env(), secrets=bucket.job_secrets(), env=dict(env or {}), pool=pool, infra=infra,
-            cost_owner=cost_owner, default_cost_owner=launcher.settings.cost_owner, user=launcher.user(), step=step,
-        )  # fmt: skip
+            inputs=bucket.job_env(),
+            secrets=bucket.job_secrets(),
+            env=dict(env or {}),
+            pool=pool,
+            infra=infra,
+            cost_owner=cost_owner,
+            default_cost_owner=launcher.settings.cost_owner,
+            user=launcher.user(),
+            step=step,
+        )
         usage = launcher.usage_now()  # nothing is read where the API server counts what is held (live_caps: server)
         job = resolve(request, launcher.fleet, usage=usage.result() if usage is not None else None)
         job_id, job = launcher.submit(job, request)

@@ -95,7 +95,10 @@ def run_flow(
         tags = {}
         if partitions:  # one run for the range, as the nightly schedule does
             label = f"{key}[{partitions[0]}…{partitions[-1]}]"
-            tags = {"dagster/asset_partition_range_start": partitions[0], "dagster/asset_partition_range_end": partitions[-1]}
+            tags = {
+                "dagster/asset_partition_range_start": partitions[0],
+                "dagster/asset_partition_range_end": partitions[-1],
+            }
         if on_step:
             on_step(label)
         ops = {key: {"config": config[key]}} if key in config else {}

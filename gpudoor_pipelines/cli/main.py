@@ -47,10 +47,12 @@ def _cmd_flow(args: argparse.Namespace) -> int:
             print(f"Dagster's event log: {log_path}  (--verbose streams it here)", flush=True)
         try:
             summary = run_flow(
-                defs, instance, run_config=run_config,
+                defs,
+                instance,
+                run_config=run_config,
                 watch=progress.watch,
                 console_log_level=None if args.verbose else "CRITICAL",
-            )  # fmt: skip
+            )
         except FlowFailed as e:
             print(f"\nfailed: {e.label} (run {e.run_id})\n{e.why}\n\nevent log: {log_path}", file=sys.stderr)
             return 1
@@ -99,8 +101,16 @@ def _cmd_where(args: argparse.Namespace) -> int:
     from gpudoor_pipelines.cli.explain import explain
 
     try:
-        print(explain(args.spec, step=args.step, pool=args.pool, infra=args.infra, cost_owner=args.cost_owner,
-                      as_json=args.json))  # fmt: skip
+        print(
+            explain(
+                args.spec,
+                step=args.step,
+                pool=args.pool,
+                infra=args.infra,
+                cost_owner=args.cost_owner,
+                as_json=args.json,
+            )
+        )
     except LaunchConfigError as e:
         if not args.json:
             raise
@@ -132,7 +142,13 @@ def _cmd_rules(args: argparse.Namespace) -> int:
     page = render_file(args.fleet)
     if args.check:
         if not out.is_file() or out.read_text() != page:
-            command = " ".join(["gpudoor rules", *(["--fleet", args.fleet] if args.fleet else []), *(["--out", args.out] if args.out else [])])
+            command = " ".join(
+                [
+                    "gpudoor rules",
+                    *(["--fleet", args.fleet] if args.fleet else []),
+                    *(["--out", args.out] if args.out else []),
+                ]
+            )
             print(f"{args.out or 'docs/rules.md'} is stale: run `{command}` and commit it", file=sys.stderr)
             return 1
         return 0
@@ -163,7 +179,10 @@ def _door(args: argparse.Namespace, fn) -> int:
         else:
             p = e.payload
             where = f"{p['file']}: field '{p['field']}': " if p.get("file") else ""
-            print(f"error: {p['error']}: {where}{p['problem']}" + (f". Fix: {p['fix']}" if p.get("fix") else ""), file=sys.stderr)
+            print(
+                f"error: {p['error']}: {where}{p['problem']}" + (f". Fix: {p['fix']}" if p.get("fix") else ""),
+                file=sys.stderr,
+            )
             for extra in (p.get("problems") or [])[1:]:
                 print(f"  also: field '{extra['field']}': {extra['problem']}. Fix: {extra['fix']}", file=sys.stderr)
         return e.code
@@ -174,10 +193,16 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
     def run() -> int:
         env = dict(item.split("=", 1) for item in args.env or [])
-        launched = agent.launch(args.spec, step=args.step, pool=args.pool, infra=args.infra, cost_owner=args.cost_owner, env=env)
+        launched = agent.launch(
+            args.spec, step=args.step, pool=args.pool, infra=args.infra, cost_owner=args.cost_owner, env=env
+        )
         what = launched["accelerators"] or "CPU-only"
-        code = _answer(args, launched, f"launched job {launched['job_id']} on {launched['pool']} ({launched['infra']}, {what}) "
-                                       f"as {launched['user']}, paid by {launched['cost_owner']}")  # fmt: skip
+        code = _answer(
+            args,
+            launched,
+            f"launched job {launched['job_id']} on {launched['pool']} ({launched['infra']}, {what}) "
+            f"as {launched['user']}, paid by {launched['cost_owner']}",
+        )
         if args.follow:
             return _follow(args, launched["job_id"])
         return code
@@ -207,7 +232,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
     def run() -> int:
         if args.job:
             info = agent.status(args.job)
-            human = f"{info['job_id']}  {info['state']}  {info['name']}  {info['infra']}" + (f"  ({info['meaning']})" if info["failed"] else "")
+            human = f"{info['job_id']}  {info['state']}  {info['name']}  {info['infra']}" + (
+                f"  ({info['meaning']})" if info["failed"] else ""
+            )
             return _answer(args, info, human)
         jobs = agent.recent_jobs(days=args.days)
         human = "\n".join(f"{j['job_id']}  {j['state']:<12} {j['pool']:<10} {j['name']}" for j in jobs) or "no jobs"
@@ -233,7 +260,9 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
 
     def run() -> int:
         info = agent.cancel(args.job, wait_s=args.wait)
-        human = f"job {args.job}: {info['state']}" + ("" if info["cancel_confirmed"] else f" (not ended after {args.wait:.0f} s)")
+        human = f"job {args.job}: {info['state']}" + (
+            "" if info["cancel_confirmed"] else f" (not ended after {args.wait:.0f} s)"
+        )
         return _answer(args, info, human)
 
     return _door(args, run)
@@ -258,11 +287,11 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=r".* is currently in (beta|preview)")
     parser = argparse.ArgumentParser(prog="gpudoor", description="One door to every GPU.")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser(
-        "flow", help="materialize the whole flow on the configured backend (default: this machine)"
-    )
+    p = sub.add_parser("flow", help="materialize the whole flow on the configured backend (default: this machine)")
     p.add_argument("--images", type=int, default=None, help="size of the generated dataset (default 96)")
-    p.add_argument("--verbose", action="store_true", help="stream Dagster's event log here instead of one line per step")
+    p.add_argument(
+        "--verbose", action="store_true", help="stream Dagster's event log here instead of one line per step"
+    )
     p.set_defaults(func=_cmd_flow)
     p = sub.add_parser("where", help="explain where a task spec would run, and what it would get")
     p.add_argument("spec", help="a task spec: task_specs/eval.yaml or just eval")

@@ -28,7 +28,9 @@ _STATE = re.compile(r"\b(PENDING|STARTING|RUNNING|RECOVERING|CANCELLING|SUCCEEDE
 class FlowProgress:
     """Watches each run of the flow: a live line on ``out``, every event in ``log_path``."""
 
-    def __init__(self, instance: dg.DagsterInstance, log_path: Path, out: TextIO | None = None, poll_s: float = 0.5) -> None:
+    def __init__(
+        self, instance: dg.DagsterInstance, log_path: Path, out: TextIO | None = None, poll_s: float = 0.5
+    ) -> None:
         self.instance = instance
         self.log_path = log_path
         self.out = out or sys.stdout
@@ -71,7 +73,7 @@ class FlowProgress:
 
         def read() -> None:
             records = self.instance.all_logs(run_id)
-            for record in records[state["seen"]:]:
+            for record in records[state["seen"] :]:
                 self._write(record)
                 message = record.user_message or ""
                 if m := _LAUNCHING.search(message):
@@ -115,7 +117,11 @@ class FlowProgress:
 
     def _write(self, record) -> None:
         when = datetime.datetime.fromtimestamp(record.timestamp, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S")
-        kind = record.dagster_event.event_type_value if record.dagster_event is not None else logging.getLevelName(record.level)
+        kind = (
+            record.dagster_event.event_type_value
+            if record.dagster_event is not None
+            else logging.getLevelName(record.level)
+        )
         step = record.step_key or ""
         self._log.write(f"{when} {record.run_id[:8]} {step} {kind} {record.user_message}\n")
         self._log.flush()

@@ -71,31 +71,55 @@ def _missing_needs(pool: Pool) -> dict[str, str]:
 def _pools(fleet: Fleet) -> list[str]:
     out = ["## Pools", ""]
     out += _table(
-        ["pool", "infra", "GPUs", "GPU cap", "per-user GPU cap", "$/GPU-hour", "vCPU cap (CPU-only jobs)", "$/vCPU-hour"],
+        [
+            "pool",
+            "infra",
+            "GPUs",
+            "GPU cap",
+            "per-user GPU cap",
+            "$/GPU-hour",
+            "vCPU cap (CPU-only jobs)",
+            "$/vCPU-hour",
+        ],
         [
             (
-                f"`{p.name}`", f"`{p.infra}`", _codes(p.gpus), p.gpu_cap or "—", p.user_gpu_cap if p.gpus else "—",
+                f"`{p.name}`",
+                f"`{p.infra}`",
+                _codes(p.gpus),
+                p.gpu_cap or "—",
+                p.user_gpu_cap if p.gpus else "—",
                 _usd(p.usd_per_gpu_hour) if p.gpus else "—",
                 (p.vcpu_cap or "no cap") if p.name in fleet.cpu_route else "— (takes no CPU-only jobs)",
                 _usd(p.usd_per_vcpu_hour) if p.name in fleet.cpu_route else "—",
             )
             for p in fleet.pools.values()
         ],
-    )  # fmt: skip
-    out += [f"- `{p.name}`: {_cell(p.description) or '(no description)'}" for p in fleet.pools.values()] + [
-        ""
-    ]
+    )
+    out += [f"- `{p.name}`: {_cell(p.description) or '(no description)'}" for p in fleet.pools.values()] + [""]
     out += ["### What each pool can run", ""]
     out += _table(
-        ["pool", "preemptible", "an evicted job moves to", "priority class", "multi-node interconnect", "declared SkyPilot features",
-         "autostop of interactive clusters"],
         [
-            (f"`{p.name}`", _yes(p.preemptible), " → ".join(f"`{t}`" for t in p.recover_to) or "— (recovered in place)",
-             f"`{p.priority_class}`" if p.priority_class else "—", _yes(p.multi_node),
-             _codes(p.features), f"{p.autostop_idle_minutes} idle minutes")
+            "pool",
+            "preemptible",
+            "an evicted job moves to",
+            "priority class",
+            "multi-node interconnect",
+            "declared SkyPilot features",
+            "autostop of interactive clusters",
+        ],
+        [
+            (
+                f"`{p.name}`",
+                _yes(p.preemptible),
+                " → ".join(f"`{t}`" for t in p.recover_to) or "— (recovered in place)",
+                f"`{p.priority_class}`" if p.priority_class else "—",
+                _yes(p.multi_node),
+                _codes(p.features),
+                f"{p.autostop_idle_minutes} idle minutes",
+            )
             for p in fleet.pools.values()
         ],
-    )  # fmt: skip
+    )
     out += [
         "Declared features are those SkyPilot learns only by asking a cluster (spot nodes on Kubernetes, Pyxis on",
         "Slurm); the pool's `features:` in the fleet file says it has them.",
@@ -118,10 +142,13 @@ def _routes(fleet: Fleet) -> list[str]:
         "(`--infra`, or the task's own `infra` naming a pool of the fleet) wins over every route.",
         "",
         "What running jobs hold is counted by "
-        + ("the API server's policy (`live_caps: server`): the launcher routes without reading it, and tries the next "
-           "pool when the server says one is full." if fleet.live_caps == "server" else
-           "the launcher before every launch (`live_caps: launcher`), and again by the API server's policy where it "
-           "can see the jobs (a consolidated jobs controller)."),
+        + (
+            "the API server's policy (`live_caps: server`): the launcher routes without reading it, and tries the next "
+            "pool when the server says one is full."
+            if fleet.live_caps == "server"
+            else "the launcher before every launch (`live_caps: launcher`), and again by the API server's policy where it "
+            "can see the jobs (a consolidated jobs controller)."
+        ),
         "",
         "### By step",
         "",
@@ -189,9 +216,7 @@ def _injected(fleet: Fleet) -> list[str]:
         "### Env, per pool",
         "",
     ]
-    out += _table(
-        ["pool", "env"], [(f"`{p.name}`", _codes([*p.env, POOL_ENV])) for p in fleet.pools.values()]
-    )
+    out += _table(["pool", "env"], [(f"`{p.name}`", _codes([*p.env, POOL_ENV])) for p in fleet.pools.values()])
     out += [
         f"`{POOL_ENV}` holds the pool's name. Inputs and outputs (transit bucket URIs) are set by the launcher",
         "under the names the task declares in `envs`.",
@@ -215,22 +240,32 @@ def _injected(fleet: Fleet) -> list[str]:
         )
         for n in SECRET_ENV_VARS
     ]
-    rows += [(f"`{n}`", "secret", f"a job that asks for it (`secrets: {{{n}: null}}`); the value comes from the launcher's environment",
-              f"`GPUDOOR_POLICY_{n}`") for n in fleet.secrets]  # fmt: skip
+    rows += [
+        (
+            f"`{n}`",
+            "secret",
+            f"a job that asks for it (`secrets: {{{n}: null}}`); the value comes from the launcher's environment",
+            f"`GPUDOOR_POLICY_{n}`",
+        )
+        for n in fleet.secrets
+    ]
     out += _table(["name", "as", "given to", "on the API server, from"], rows)
     out += ["### Labels", ""]
     out += _table(
         ["label", "value"],
         [
             (f"`{LABEL_COST_OWNER}`", "who pays (see [Cost owners](#cost-owners))"),
-            (f"`{LABEL_USER}`", "who launched: `GPUDOOR_USER`, else the service account, else the OS user; on the API server, the authenticated user"),
+            (
+                f"`{LABEL_USER}`",
+                "who launched: `GPUDOOR_USER`, else the service account, else the OS user; on the API server, the authenticated user",
+            ),
             (f"`{LABEL_POOL}`", "the pool the job runs on"),
             (f"`{LABEL_STEP}`", "the step, when the launcher names one"),
             (f"`{LABEL_INTERACTIVE}`", "`true` on interactive clusters"),
             (f"`{LABEL_VIA}`", "who checked the task file (`launcher`, `policy`)"),
             (f"`{LABEL_RUN_ID}`, `{LABEL_ASSET}`, `{LABEL_PARTITION}`, `dagster-*`", "the Dagster run's identity"),
         ],
-    )  # fmt: skip
+    )
     out += [
         "A task's own values for `gpudoor-*` and `dagster-*` labels are dropped; its other labels are kept.",
         "",
@@ -311,41 +346,116 @@ def _refusals(fleet: Fleet, source: str) -> list[str]:
     rows: list[tuple[str, str, str]] = []
     rows += [(f"a `{key}` section", f"`{key}`", f"remove it: {why}") for key, why in _FORBIDDEN_TOP.items()]
     rows += [
-        ("a git `workdir` (a mapping)", "`workdir`", "clone the repository in `setup`, or use a local folder as workdir"),
-        ("a field SkyPilot tasks do not have", "the field", f"remove it; known fields: {_codes(sorted(SKYPILOT_TASK_FIELDS - {'_user_specified_yaml'}))}"),
-        (f"an env whose name has a credential word as a whole `_` part ({_codes(sorted(CREDENTIAL_NAME_PARTS))}; `HF_TOKEN` yes, `MAX_TOKENS` no)",
-         "`envs.<NAME>`", "declare it under `secrets:` with no value (`secrets: {NAME: null}`); the value comes from the launcher's environment"),
-        ("a path or URI in an env (starts with `/`, `~` or `scheme://`)", "`envs.<NAME>`",
-         f"remove it: per-cluster paths come from the pool's `env` in `{source}`, data URIs from the launcher"),
-        ("a secret with a value in the file", "`secrets.<NAME>`", "write `<NAME>: null`; the value comes from the launcher's environment"),
-        ("a secret the fleet does not list", "`secrets.<NAME>`", f"use one of {_codes(may_ask)}, or ask the fleet's admins to add it to `secrets` in `{source}`"),
-        ("a secret asked for with no value anywhere", "`secrets.<NAME>`", "set it in the launcher's environment, or as `GPUDOOR_POLICY_<NAME>` on the API server"),
+        (
+            "a git `workdir` (a mapping)",
+            "`workdir`",
+            "clone the repository in `setup`, or use a local folder as workdir",
+        ),
+        (
+            "a field SkyPilot tasks do not have",
+            "the field",
+            f"remove it; known fields: {_codes(sorted(SKYPILOT_TASK_FIELDS - {'_user_specified_yaml'}))}",
+        ),
+        (
+            f"an env whose name has a credential word as a whole `_` part ({_codes(sorted(CREDENTIAL_NAME_PARTS))}; `HF_TOKEN` yes, `MAX_TOKENS` no)",
+            "`envs.<NAME>`",
+            "declare it under `secrets:` with no value (`secrets: {NAME: null}`); the value comes from the launcher's environment",
+        ),
+        (
+            "a path or URI in an env (starts with `/`, `~` or `scheme://`)",
+            "`envs.<NAME>`",
+            f"remove it: per-cluster paths come from the pool's `env` in `{source}`, data URIs from the launcher",
+        ),
+        (
+            "a secret with a value in the file",
+            "`secrets.<NAME>`",
+            "write `<NAME>: null`; the value comes from the launcher's environment",
+        ),
+        (
+            "a secret the fleet does not list",
+            "`secrets.<NAME>`",
+            f"use one of {_codes(may_ask)}, or ask the fleet's admins to add it to `secrets` in `{source}`",
+        ),
+        (
+            "a secret asked for with no value anywhere",
+            "`secrets.<NAME>`",
+            "set it in the launcher's environment, or as `GPUDOOR_POLICY_<NAME>` on the API server",
+        ),
         ("no cost owner", f"`labels.{LABEL_COST_OWNER}`", f"set one of {_codes(owners)}"),
-        ("an unknown cost owner", f"`labels.{LABEL_COST_OWNER}`", f"use one of {_codes(owners)} or add it to `cost_owners` in `{source}`"),
-        ("a GPU no pool offers", "`resources.accelerators`", f"ask for one of {_codes(sorted(fleet.all_gpus, key=str.lower))}, or add a pool that has it to `{source}`"),
-        ("a GPU count that is not a positive whole number", "`resources.accelerators`", "use e.g. `H100:1`: pools lend whole GPUs"),
+        (
+            "an unknown cost owner",
+            f"`labels.{LABEL_COST_OWNER}`",
+            f"use one of {_codes(owners)} or add it to `cost_owners` in `{source}`",
+        ),
+        (
+            "a GPU no pool offers",
+            "`resources.accelerators`",
+            f"ask for one of {_codes(sorted(fleet.all_gpus, key=str.lower))}, or add a pool that has it to `{source}`",
+        ),
+        (
+            "a GPU count that is not a positive whole number",
+            "`resources.accelerators`",
+            "use e.g. `H100:1`: pools lend whole GPUs",
+        ),
         ("`num_nodes` that is not a positive whole number", "`num_nodes`", "use e.g. `num_nodes: 2`"),
-        ("a step the fleet has no route for", "`step`", f"use one of {_codes(fleet.routes)}, or launch without a step to route by GPU"),
-        ("an `infra`/`cloud` that is no pool of the fleet", "`resources.infra`",
-         f"remove it: the route picks the pool (or name one of {_codes(p.infra for p in fleet.pools.values())})"),
+        (
+            "a step the fleet has no route for",
+            "`step`",
+            f"use one of {_codes(fleet.routes)}, or launch without a step to route by GPU",
+        ),
+        (
+            "an `infra`/`cloud` that is no pool of the fleet",
+            "`resources.infra`",
+            f"remove it: the route picks the pool (or name one of {_codes(p.infra for p in fleet.pools.values())})",
+        ),
         ("candidates naming different infras", "`resources.infra`", "remove infra: the route picks the pool"),
-    ]  # fmt: skip
+    ]
     for p in fleet.pools.values():
         if p.priority_class:
-            rows.append((f"another priority class on production pool `{p.name}`", f"`{PRIORITY_FIELD}`",
-                         f"remove it; research jobs on this pool run at priority class `{p.priority_class}`"))  # fmt: skip
+            rows.append(
+                (
+                    f"another priority class on production pool `{p.name}`",
+                    f"`{PRIORITY_FIELD}`",
+                    f"remove it; research jobs on this pool run at priority class `{p.priority_class}`",
+                )
+            )
     rows += [
-        ("more GPUs than a pool's cap", "`resources.accelerators`", "ask for at most the pool's GPU cap (see [Pools](#pools))"),
-        ("more GPUs than one user may hold on a pool", "`resources.accelerators`", "ask for at most the pool's per-user GPU cap"),
-        ("more GPUs than are free on the pool right now (yours or the team's)", "`resources.accelerators`",
-         "wait for jobs to finish, ask for fewer GPUs, or route to another pool"),
-        ("a CPU-only job over a pool's vCPU cap", "`resources.cpus`", "ask for fewer vCPUs, or wait for jobs to finish"),
-        ("a CPU-only job on a pool off `cpu_route`", "`resources.accelerators`", f"ask for a GPU or use one of {_codes(fleet.cpu_route)}"),
-        ("a need no pool on the route can provide", "`resources` or `num_nodes`",
-         "drop the need or route to a pool that has it (see [Needs a pool cannot provide](#needs-a-pool-cannot-provide))"),
-        ("several YAML documents in one file (a pipeline or a job group)", "`(documents)`",
-         "pipelines and job groups are not supported yet; launch each task on its own"),
-    ]  # fmt: skip
+        (
+            "more GPUs than a pool's cap",
+            "`resources.accelerators`",
+            "ask for at most the pool's GPU cap (see [Pools](#pools))",
+        ),
+        (
+            "more GPUs than one user may hold on a pool",
+            "`resources.accelerators`",
+            "ask for at most the pool's per-user GPU cap",
+        ),
+        (
+            "more GPUs than are free on the pool right now (yours or the team's)",
+            "`resources.accelerators`",
+            "wait for jobs to finish, ask for fewer GPUs, or route to another pool",
+        ),
+        (
+            "a CPU-only job over a pool's vCPU cap",
+            "`resources.cpus`",
+            "ask for fewer vCPUs, or wait for jobs to finish",
+        ),
+        (
+            "a CPU-only job on a pool off `cpu_route`",
+            "`resources.accelerators`",
+            f"ask for a GPU or use one of {_codes(fleet.cpu_route)}",
+        ),
+        (
+            "a need no pool on the route can provide",
+            "`resources` or `num_nodes`",
+            "drop the need or route to a pool that has it (see [Needs a pool cannot provide](#needs-a-pool-cannot-provide))",
+        ),
+        (
+            "several YAML documents in one file (a pipeline or a job group)",
+            "`(documents)`",
+            "pipelines and job groups are not supported yet; launch each task on its own",
+        ),
+    ]
     out = [
         "## Refused, and the fix",
         "",
@@ -365,9 +475,7 @@ def _refusals(fleet: Fleet, source: str) -> list[str]:
     rows2 = []
     for p in fleet.pools.values():
         missing = _missing_needs(p)
-        rows2.append(
-            [f"`{p.name}`"] + [f"no: {missing[name]}" if name in missing else "yes" for name, _ in NEEDS]
-        )
+        rows2.append([f"`{p.name}`"] + [f"no: {missing[name]}" if name in missing else "yes" for name, _ in NEEDS])
     out += _table(header, rows2)
     return out
 
@@ -384,9 +492,7 @@ def render(fleet: Fleet) -> str:
         "and the package's own checks. `gpudoor where TASK` shows what one task file would get.",
         "",
     ]
-    out += (
-        _pools(fleet) + _routes(fleet) + _injected(fleet) + _priorities_autostop(fleet) + _cost_owners(fleet)
-    )
+    out += _pools(fleet) + _routes(fleet) + _injected(fleet) + _priorities_autostop(fleet) + _cost_owners(fleet)
     out += _refusals(fleet, source)
     return "\n".join(out).rstrip("\n") + "\n"
 

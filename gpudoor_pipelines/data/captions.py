@@ -214,9 +214,7 @@ def _read_part(bucket: TransitBucket, shard: str, key: str) -> tuple[pa.Table, i
     return merged if merged.schema == schema else merged.cast(schema), table.num_rows - captioned.num_rows
 
 
-def _prefetch(
-    pool: concurrent.futures.Executor, fn: Callable[[T], R], items: Iterable[T], window: int
-) -> Iterator[R]:
+def _prefetch(pool: concurrent.futures.Executor, fn: Callable[[T], R], items: Iterable[T], window: int) -> Iterator[R]:
     """``map(fn, items)`` run on ``pool`` with at most ``window`` calls ahead of the consumer, in order:
     the reads overlap, and no more than ``window`` results wait in memory."""
     pending: collections.deque[concurrent.futures.Future[R]] = collections.deque()

@@ -196,11 +196,14 @@ class _Scan:
         # First tick: read back the starts of the forget window, so running trainings get watched.
         self.journal_last: float = float(journal.get("last", self.since - policy.forget_after_s))
         self.journal_seen: dict[str, float] = dict(journal.get("seen", {}))
-        self.active: dict[str, dict[str, Any]] = {} if fresh else {k: dict(v) for k, v in cursor.get("active", {}).items()}
+        self.active: dict[str, dict[str, Any]] = (
+            {} if fresh else {k: dict(v) for k, v in cursor.get("active", {}).items()}
+        )
         self.walk: dict[str, Any] | None = (
             ({"after": None, "training": None, "latest": []} if policy.backlog_per_training > 0 else None)
-            if fresh else cursor.get("walk")
-        )  # fmt: skip
+            if fresh
+            else cursor.get("walk")
+        )
         self.next_training: str = "" if fresh else str(cursor.get("next", ""))
         self.found: list[str] = []
         self.result = ScanResult(checkpoints=self.found, cursor={})

@@ -47,9 +47,7 @@ PUBLISH_WORKERS = 16
 BucketFor = Callable[[str], tuple[TransitBucket, str]]
 """Maps a URI to the bucket holding it and its key there, like :func:`bucket_for_uri`."""
 
-_SOURCE_FORMS = (
-    "a folder (path, file:///abs/path or s3://bucket/prefix) or a .parquet/.csv table of image URIs"
-)
+_SOURCE_FORMS = "a folder (path, file:///abs/path or s3://bucket/prefix) or a .parquet/.csv table of image URIs"
 _ACCESS = {
     "AccessDenied",
     "InvalidAccessKeyId",
@@ -170,9 +168,7 @@ def list_images(source: str, *, bucket_for: BucketFor = bucket_for_uri) -> Sourc
         else:
             images, skipped = _from_folder(uri, bucket, key)
     if not images:
-        reasons = ", ".join(
-            f"{n} {kind}" for kind, n in SourceListing([], skipped).skipped_by_reason().items()
-        )
+        reasons = ", ".join(f"{n} {kind}" for kind, n in SourceListing([], skipped).skipped_by_reason().items())
         raise DatasetSourceError(
             uri,
             f"no usable images: {len(skipped)} entries skipped ({reasons})",
@@ -190,9 +186,7 @@ def _source_uri(source: str) -> str:
         return text.rstrip("/")
     if text.startswith("file://"):
         if not text.startswith("file:///"):
-            raise DatasetSourceError(
-                source, "a file URI must be absolute", "write it as file:///absolute/path"
-            )
+            raise DatasetSourceError(source, "a file URI must be absolute", "write it as file:///absolute/path")
         text = text[len("file://") :]
     elif "://" in text or not text:
         raise DatasetSourceError(source, "not a source this project reads", f"give {_SOURCE_FORMS}")
@@ -210,9 +204,7 @@ def _from_folder(uri: str, bucket: TransitBucket, key: str) -> tuple[list[str], 
                 f"check the path (a relative one is read from the current directory, {os.getcwd()})",
             )
         if not path.is_dir():
-            raise DatasetSourceError(
-                uri, "not a folder, nor a .parquet or .csv table", f"give {_SOURCE_FORMS}"
-            )
+            raise DatasetSourceError(uri, "not a folder, nor a .parquet or .csv table", f"give {_SOURCE_FORMS}")
     prefix = key.strip("/") + "/" if key.strip("/") else ""
     images, skipped, listed = [], [], 0
     for object_key, size in bucket.list_sized(prefix):
@@ -260,9 +252,7 @@ def _from_table(uri: str, bucket: TransitBucket, key: str) -> tuple[list[str], l
     try:
         data = bucket.get_bytes(key)
     except TransitObjectMissing:
-        raise DatasetSourceError(
-            uri, "the table does not exist", "check the path and its extension"
-        ) from None
+        raise DatasetSourceError(uri, "the table does not exist", "check the path and its extension") from None
     values = _table_column(uri, data)
     seen: set[str] = set()
     images, skipped = [], []
@@ -417,9 +407,7 @@ def shard_key(dataset: str, number: int) -> str:
     return f"{dataset}-{number:05d}"
 
 
-def register_dataset(
-    bucket: TransitBucket, dataset: str, listing: SourceListing, shard_size: int
-) -> Registration:
+def register_dataset(bucket: TransitBucket, dataset: str, listing: SourceListing, shard_size: int) -> Registration:
     """Give every image of ``listing`` not yet in the dataset a shard, and publish the new shards.
 
     Known images keep their shard, whether or not they are still in the source. New images go, in
@@ -510,9 +498,7 @@ def _read_index(bucket: TransitBucket, dataset: str):  # -> pyarrow.Table (impor
 def _shard_number(dataset: str, shard: str) -> int:
     prefix, _, number = shard.rpartition("-")
     if prefix != dataset or not number.isdigit():
-        raise ValueError(
-            f"the index of dataset {dataset!r} names a shard {shard!r} that is not one of its own"
-        )
+        raise ValueError(f"the index of dataset {dataset!r} names a shard {shard!r} that is not one of its own")
     return int(number)
 
 

@@ -30,5 +30,17 @@ SMOKE = "smoke"
 EVALS = "evals"
 USAGE_CHART = "usage/{week}/gpu_hours.png"
 
-__all__ = ["ASSETS_PREFIX", "BATCHES", "CAPTIONS", "CHECKPOINTS", "DATASETS", "ENDED_DIR", "EVALS", "PIPES_PREFIX",
-           "SMOKE", "TMP_PREFIX", "TRAININGS", "USAGE_CHART"]  # fmt: skip
+__all__ = [
+    "ASSETS_PREFIX",
+    "BATCHES",
+    "CAPTIONS",
+    "CHECKPOINTS",
+    "DATASETS",
+    "ENDED_DIR",
+    "EVALS",
+    "PIPES_PREFIX",
+    "SMOKE",
+    "TMP_PREFIX",
+    "TRAININGS",
+    "USAGE_CHART",
+]

@@ -92,8 +92,12 @@ class SkyPilotInvocation(dg.PipesClientCompletedInvocation):
             return result
         extra = {} if value is _UNSET else {"value": value}
         checks = [*(result.check_results or ()), *(check_results or ())]
-        return dg.MaterializeResult(metadata={**(result.metadata or {}), **(metadata or {})},
-                                    check_results=checks, data_version=result.data_version, **extra)  # fmt: skip
+        return dg.MaterializeResult(
+            metadata={**(result.metadata or {}), **(metadata or {})},
+            check_results=checks,
+            data_version=result.data_version,
+            **extra,
+        )
 
 
 @contextlib.contextmanager
@@ -102,15 +106,21 @@ def _nothing_launched() -> Iterator[None]:
     try:
         yield
     except LaunchConfigError as e:
-        raise dg.Failure(description=f"Nothing was launched. {e}", metadata={"file": e.source, "field": e.field}) from None
+        raise dg.Failure(
+            description=f"Nothing was launched. {e}", metadata={"file": e.source, "field": e.field}
+        ) from None
 
 
 def _job_failure(failure: JobFailed) -> dg.Failure:
     """A failed job as the step's failure: its end state and its last log lines."""
-    return dg.Failure(description=str(failure), metadata={
-        "job_id": failure.job_id, "status": failure.status,
-        "log_tail": dg.MetadataValue.md("```\n" + "\n".join(failure.log_tail) + "\n```"),
-    })  # fmt: skip
+    return dg.Failure(
+        description=str(failure),
+        metadata={
+            "job_id": failure.job_id,
+            "status": failure.status,
+            "log_tail": dg.MetadataValue.md("```\n" + "\n".join(failure.log_tail) + "\n```"),
+        },
+    )
 
 
 def report_unconfirmed(
@@ -121,8 +131,10 @@ def report_unconfirmed(
     from dagster._utils.error import SerializableErrorInfo
 
     message = f"GPUs may still be held: {outcome.summary()}"
-    data = EngineEventData(metadata={"kind": outcome.holding.kind, "id": outcome.holding.id, "seen": "; ".join(outcome.seen)},
-                           error=SerializableErrorInfo(message, [], "ReleaseNotConfirmed"))  # fmt: skip
+    data = EngineEventData(
+        metadata={"kind": outcome.holding.kind, "id": outcome.holding.id, "seen": "; ".join(outcome.seen)},
+        error=SerializableErrorInfo(message, [], "ReleaseNotConfirmed"),
+    )
     instance.report_engine_event(message, run, data, step_key=step_key)
 
 
@@ -171,11 +183,17 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
     local_home: str | None = Field(default=None, description="State folder of the local backend.")
     cost_owner: str | None = Field(default=None, description="Cost owner label for every job.")
     user: str | None = Field(default=None, description="Who launches (labels, per-user caps).")
-    poll_interval_s: float = Field(default=0.5, description="Seconds to a job's first status poll and after each change.")
-    max_poll_interval_s: float = Field(default=20.0, description="Longest wait between status polls of an unchanged job on SkyPilot.")
+    poll_interval_s: float = Field(
+        default=0.5, description="Seconds to a job's first status poll and after each change."
+    )
+    max_poll_interval_s: float = Field(
+        default=20.0, description="Longest wait between status polls of an unchanged job on SkyPilot."
+    )
     cancel_timeout_s: float = Field(default=180.0, description="Bound on waiting for a release to be confirmed.")
     forward_termination: bool = Field(default=True, description="Cancel the job when the run is terminated.")
-    max_log_streams: int = Field(default=4, description="Logs of at most this many jobs of a batch stream into the run at once.")
+    max_log_streams: int = Field(
+        default=4, description="Logs of at most this many jobs of a batch stream into the run at once."
+    )
     validate_with_skypilot: bool = Field(default=True, description="Parse specs with sky.Task before launching.")
     transit: TransitBucketResource
 
@@ -228,17 +246,25 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
         with _nothing_launched():
             loaded = self.get_spec(spec)
         return LaunchRequest(
-            spec=loaded, inputs=dict(inputs or {}), env=dict(config.env),
-            pool=config.pool or tags.get(TAG_POOL), infra=config.infra or tags.get(TAG_INFRA),
-            cost_owner=tags.get(TAG_COST_OWNER), default_cost_owner=self.cost_owner, user=self.launching_user(),
+            spec=loaded,
+            inputs=dict(inputs or {}),
+            env=dict(config.env),
+            pool=config.pool or tags.get(TAG_POOL),
+            infra=config.infra or tags.get(TAG_INFRA),
+            cost_owner=tags.get(TAG_COST_OWNER),
+            default_cost_owner=self.cost_owner,
+            user=self.launching_user(),
             asset=context.asset_key.to_user_string() if context.has_assets_def else context.op.name,
             partition=context.partition_key if context.has_partition_key else None,
-            interactive=cluster_name is not None, cluster_name=cluster_name, step=step or loaded.kind,
-        )  # fmt: skip
+            interactive=cluster_name is not None,
+            cluster_name=cluster_name,
+            step=step or loaded.kind,
+        )
 
     @staticmethod
-    def _with_transit(request: LaunchRequest, bucket: TransitBucket, bootstrap: Mapping[str, str],
-                      dagster: Mapping[str, str]) -> LaunchRequest:  # fmt: skip
+    def _with_transit(
+        request: LaunchRequest, bucket: TransitBucket, bootstrap: Mapping[str, str], dagster: Mapping[str, str]
+    ) -> LaunchRequest:
         """The request with what the launch adds: how to reach the bucket, Pipes' bootstrap env, the run's identity."""
         inputs = {**bucket.job_env(), **request.inputs, **bootstrap}
         return dataclasses.replace(request, inputs=inputs, secrets=bucket.job_secrets(), dagster=dict(dagster))
@@ -248,10 +274,15 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
         step_key = context.get_step_execution_context().step.key
 
         def released(outcomes: list[ReleaseOutcome]) -> None:
-            context.instance.add_run_tags(context.run.run_id, {
-                f"{TAG_RELEASED_PREFIX}{o.holding.kind}-{o.holding.id}"[:255]:
-                    f"{'confirmed' if o.confirmed else 'NOT confirmed'} in {o.seconds:.0f} s" for o in outcomes
-            })  # fmt: skip
+            context.instance.add_run_tags(
+                context.run.run_id,
+                {
+                    f"{TAG_RELEASED_PREFIX}{o.holding.kind}-{o.holding.id}"[
+                        :255
+                    ]: f"{'confirmed' if o.confirmed else 'NOT confirmed'} in {o.seconds:.0f} s"
+                    for o in outcomes
+                },
+            )
             for outcome in outcomes:
                 if outcome.confirmed:
                     context.log.warning(outcome.summary())
@@ -261,7 +292,9 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
         return Hooks(line=context.log.info, said=context.log.warning, released=released, **more)
 
     # ----------------------------------------------------------------- run
-    def run(self, *, context: dg.AssetExecutionContext, request: LaunchRequest, extras: Mapping[str, Any] | None = None) -> SkyPilotInvocation:
+    def run(
+        self, *, context: dg.AssetExecutionContext, request: LaunchRequest, extras: Mapping[str, Any] | None = None
+    ) -> SkyPilotInvocation:
         """Launches the request as a managed job and waits for it to end.
 
         Returns:
@@ -280,10 +313,16 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
             usage = launcher.usage_now()
             launcher.backend.check()
         bucket = self.transit.get_bucket()
-        with dg.open_pipes_session(context=context, context_injector=pipes_context_injector(bucket),
-                                   message_reader=pipes_message_reader(bucket), extras=dict(extras or {})) as session:  # fmt: skip
+        with dg.open_pipes_session(
+            context=context,
+            context_injector=pipes_context_injector(bucket),
+            message_reader=pipes_message_reader(bucket),
+            extras=dict(extras or {}),
+        ) as session:
             # The run's identity (run id, job, partition, user) goes into the job's labels.
-            request = self._with_transit(request, bucket, session.get_bootstrap_env_vars(), session.default_remote_invocation_info)
+            request = self._with_transit(
+                request, bucket, session.get_bootstrap_env_vars(), session.default_remote_invocation_info
+            )
             with _nothing_launched():
                 job = resolve(request, launcher.fleet, usage=usage.result() if usage is not None else None)
             job_id, job = self._reattach_or_submit(context, launcher, job, request)
@@ -297,8 +336,14 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
                 context.log.debug(f"Job {job_id}: {info.state.value}")
 
             hooks = self._hooks(context, redact, moved=moved, state=state)
-            watched = launcher.wait([job_id], hooks, redact=redact, interrupts=_INTERRUPTS,
-                                    forward_termination=self.forward_termination, movable=(job, request))  # fmt: skip
+            watched = launcher.wait(
+                [job_id],
+                hooks,
+                redact=redact,
+                interrupts=_INTERRUPTS,
+                forward_termination=self.forward_termination,
+                movable=(job, request),
+            )
             (job_id,) = watched.job_ids
             info = watched.infos[job_id]
             job = watched.moved[-1] if watched.moved else job
@@ -310,15 +355,23 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
         # Read once the session is closed: by then every message the job sent has been read. A job that moved
         # to another pool: the time held is what the step saw (the last job's own count leaves out the first).
         assert job.route is not None
-        cost = preemption_cost(watched.timelines[job_id], saved_times(session.get_custom_messages()), gpus=job.route.total_gpus,
-                               ended_at=time.time(), ran_s=None if watched.moved else info.ran_s)  # fmt: skip
+        cost = preemption_cost(
+            watched.timelines[job_id],
+            saved_times(session.get_custom_messages()),
+            gpus=job.route.total_gpus,
+            ended_at=time.time(),
+            ran_s=None if watched.moved else info.ran_s,
+        )
         if cost.preemptions:
             context.log.warning(cost.summary(job_id))
         launched_as = launcher.backend.holding_of(job_id).kind
-        return SkyPilotInvocation(session, LaunchRecord.of(job, info, launcher.backend.name, cost, launched_as=launched_as))
+        return SkyPilotInvocation(
+            session, LaunchRecord.of(job, info, launcher.backend.name, cost, launched_as=launched_as)
+        )
 
-    def _reattach_or_submit(self, context: dg.AssetExecutionContext, launcher: Launcher, job: ResolvedJob,
-                            request: LaunchRequest) -> tuple[str, ResolvedJob]:  # fmt: skip
+    def _reattach_or_submit(
+        self, context: dg.AssetExecutionContext, launcher: Launcher, job: ResolvedJob, request: LaunchRequest
+    ) -> tuple[str, ResolvedJob]:
         """Re-attaches to the job an earlier attempt of this step launched, if it still runs; else submits
         ``job`` (routed around pools the API server says are full). Returns the job id and the job."""
         tag_key = _job_tag_key(request)
@@ -331,7 +384,9 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
             except KeyError:
                 state = None
             if state is not None and not state.is_terminal:
-                context.log.info(f"Re-attaching to job {old_id}, still {state.value}, instead of launching a second one.")
+                context.log.info(
+                    f"Re-attaching to job {old_id}, still {state.value}, instead of launching a second one."
+                )
                 return old_id, job
         with _nothing_launched():
             job_id, job = launcher.submit(job, request, context.log.info)
@@ -398,30 +453,47 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
                 context.log.info(f"{pool_name}: {summary}")
                 last_summary[0] = summary
 
-        with dg.open_pipes_session(context=context, context_injector=pipes_context_injector(bucket), message_reader=reader) as session:
+        with dg.open_pipes_session(
+            context=context, context_injector=pipes_context_injector(bucket), message_reader=reader
+        ) as session:
             inputs = prepare(session.get_per_writer_bootstrap_env_vars())
-            request = self._with_transit(request.with_inputs(**inputs), bucket, {}, session.default_remote_invocation_info)
+            request = self._with_transit(
+                request.with_inputs(**inputs), bucket, {}, session.default_remote_invocation_info
+            )
             with _nothing_launched():
                 # A warm pool that is up already holds its GPUs: its jobs are not checked against them again.
                 live = backend.usage() if not backend.pool_workers(pool_name) else None
                 job = resolve(request, launcher.fleet, usage=live)
             assert job.route is not None
-            context.log.info(f"Launching {num_jobs} jobs of {job.name} on pool '{pool_name}' of {workers} workers "
-                             f"({job.pool}, {job.route.infra}, {job.route.describe()} each) through the {backend.name} backend.")  # fmt: skip
+            context.log.info(
+                f"Launching {num_jobs} jobs of {job.name} on pool '{pool_name}' of {workers} workers "
+                f"({job.pool}, {job.route.infra}, {job.route.describe()} each) through the {backend.name} backend."
+            )
             with _nothing_launched():
                 job_ids = launcher.submit_batch(job, num_jobs, pool_name=pool_name, workers=workers)
-            context.log.info(f"Submitted jobs {job_ids[0]}…{job_ids[-1]}." if num_jobs > 1 else f"Submitted job {job_ids[0]}.")
+            context.log.info(
+                f"Submitted jobs {job_ids[0]}…{job_ids[-1]}." if num_jobs > 1 else f"Submitted job {job_ids[0]}."
+            )
             if on_submitted:
                 on_submitted(job, job_ids)
             redact = Redactor(job.secrets)
             hooks = self._hooks(context, redact, tick=deliver, polled=polled, preempted=on_preempted)
-            watched = launcher.wait(job_ids, hooks, redact=redact, interrupts=_INTERRUPTS, forward_termination=self.forward_termination,
-                                    also_release=[Holding("pool", pool_name)])  # fmt: skip
+            watched = launcher.wait(
+                job_ids,
+                hooks,
+                redact=redact,
+                interrupts=_INTERRUPTS,
+                forward_termination=self.forward_termination,
+                also_release=[Holding("pool", pool_name)],
+            )
         deliver()  # what arrived while the session closed
         _results_are_reported_by_the_caller(context)
         ranks = [watched.infos[i] for i in job_ids]
-        tails = {r: [redact(line) for line in backend.log_tail(info.job_id, 30)]
-                 for r, info in enumerate(ranks) if info.state.is_failure}  # fmt: skip
+        tails = {
+            r: [redact(line) for line in backend.log_tail(info.job_id, 30)]
+            for r, info in enumerate(ranks)
+            if info.state.is_failure
+        }
         return BatchResult(job=job, job_ids=job_ids, infos=ranks, backend=backend.name, tails=tails)
 
     def release_pool(self, pool_name: str) -> None:
@@ -429,7 +501,9 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
         self.get_backend().release_pool(pool_name)
 
     # ----------------------------------------------------------------- services
-    def serve(self, *, context: dg.AssetExecutionContext, request: LaunchRequest, ready_timeout_s: float = 120.0) -> ServiceRecord:
+    def serve(
+        self, *, context: dg.AssetExecutionContext, request: LaunchRequest, ready_timeout_s: float = 120.0
+    ) -> ServiceRecord:
         """Launches a long-running service (a demo) on ``request.cluster_name`` and waits for its URL."""
         with _nothing_launched():
             launcher = self.launcher()
@@ -438,17 +512,27 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
             request = self._with_transit(request, self.transit.get_bucket(), {}, context.run.dagster_execution_info)
             job = resolve(request, launcher.fleet, usage=launcher.backend.usage())
         assert job.route is not None and job.cluster_name
-        context.log.info(f"Starting service {job.cluster_name} on pool '{job.pool}' ({job.route.infra}): {job.route.reason}.")
+        context.log.info(
+            f"Starting service {job.cluster_name} on pool '{job.pool}' ({job.route.infra}): {job.route.reason}."
+        )
         redact = Redactor(job.secrets)
         try:
-            service, url = launcher.serve(job, port=(request.spec.ports or [8000])[0], ready_timeout_s=ready_timeout_s,
-                                          hooks=self._hooks(context, redact), redact=redact, interrupts=_INTERRUPTS)  # fmt: skip
+            service, url = launcher.serve(
+                job,
+                port=(request.spec.ports or [8000])[0],
+                ready_timeout_s=ready_timeout_s,
+                hooks=self._hooks(context, redact),
+                redact=redact,
+                interrupts=_INTERRUPTS,
+            )
         except JobFailed as e:
             raise dg.Failure(description=str(e)) from None
         except TimeoutError as e:
             raise dg.Failure(description=str(e)) from None
         context.log.info(f"Service {job.cluster_name} is up at {url}")
-        return ServiceRecord(url=url, cluster_name=job.cluster_name, job_id=service.job_id, backend=launcher.backend.name, job=job)
+        return ServiceRecord(
+            url=url, cluster_name=job.cluster_name, job_id=service.job_id, backend=launcher.backend.name, job=job
+        )
 
     def stop_service(self, cluster_name: str) -> bool:
         """Tears down the service on ``cluster_name``; True if it was running."""

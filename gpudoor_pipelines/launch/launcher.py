@@ -108,8 +108,12 @@ def make_backend(settings: LaunchSettings) -> Backend:
         from gpudoor_pipelines.launch.backends.skypilot import SkyPilotBackend
 
         return SkyPilotBackend(endpoint=settings.api_server_endpoint, token=settings.service_account_token)
-    raise LaunchConfigError("resource skypilot", "backend", f"unknown backend '{settings.backend}'",
-                            "use 'local' or 'skypilot' (GPUDOOR_BACKEND)")  # fmt: skip
+    raise LaunchConfigError(
+        "resource skypilot",
+        "backend",
+        f"unknown backend '{settings.backend}'",
+        "use 'local' or 'skypilot' (GPUDOOR_BACKEND)",
+    )
 
 
 def launching_user(settings: LaunchSettings) -> str:
@@ -189,7 +193,9 @@ class _Streams:
     """The log streams of the jobs being waited for: at most ``limit`` open at once (a person watching sees
     the jobs work; hundreds of streams would load the API server for nothing)."""
 
-    def __init__(self, follow: Callable[[str], LogFollower], limit: int, emit: Callable[[str], None], prefix: bool) -> None:
+    def __init__(
+        self, follow: Callable[[str], LogFollower], limit: int, emit: Callable[[str], None], prefix: bool
+    ) -> None:
         self.follow, self.limit, self.emit, self.prefix = follow, max(1, limit), emit, prefix
         self.open: dict[str, LogFollower] = {}
         self.done: set[str] = set()
@@ -259,7 +265,9 @@ class Launcher:
         return None if self.fleet.live_caps == "server" else _USAGE_READS.submit(self.backend.usage)
 
     # ----------------------------------------------------------------- submit
-    def submit(self, job: ResolvedJob, request: LaunchRequest, log: Callable[[str], None] = _ignore) -> tuple[str, ResolvedJob]:
+    def submit(
+        self, job: ResolvedJob, request: LaunchRequest, log: Callable[[str], None] = _ignore
+    ) -> tuple[str, ResolvedJob]:
         """Submits ``job`` (``request`` resolved); when the API server says its pool is full, reads what is
         held, counts the refused pools as full whatever the read says, and submits to the next pool the
         route allows. Returns the job id and the job as submitted.
@@ -270,8 +278,10 @@ class Launcher:
         full: set[str] = set()
         while True:
             assert job.route is not None
-            log(f"Launching {job.name} on pool '{job.pool}' ({job.route.infra}, {job.route.describe()}) "
-                f"through the {self.backend.name} backend: {job.route.reason}.")  # fmt: skip
+            log(
+                f"Launching {job.name} on pool '{job.pool}' ({job.route.infra}, {job.route.describe()}) "
+                f"through the {self.backend.name} backend: {job.route.reason}."
+            )
             try:
                 return self.backend.submit(job), job
             except PoolFull as e:
@@ -279,7 +289,9 @@ class Launcher:
                 log(f"The API server says pool '{e.pool}' is full ({e.problem}): routing again.")
                 job = resolve(request, self.fleet, usage=_full(self.backend.usage(), self.fleet, full))
 
-    def _move(self, job: ResolvedJob, job_id: str, request: LaunchRequest, hooks: Hooks) -> tuple[str, ResolvedJob] | None:
+    def _move(
+        self, job: ResolvedJob, job_id: str, request: LaunchRequest, hooks: Hooks
+    ) -> tuple[str, ResolvedJob] | None:
         """A job RECOVERING on a pool whose ``recover_to`` names others: launched on the first of them that can
         take it now (routed and ruled for that pool, its caps counted), then the recovering one is cancelled
         and its release verified. Returns the new job id and job; None when no pool can take it (SkyPilot
@@ -297,12 +309,16 @@ class Launcher:
                 refused.append(f"{target}: {e.problem}")
                 continue
             hooks.moved(job_id, new_id, new_job)
-            hooks.said(f"Job {job_id} was evicted from pool '{job.pool}': launched again on pool '{target}' as job {new_id} "
-                       f"(recover_to of '{job.pool}' in {self.fleet.source}); it resumes from what it saved. Cancelling job {job_id}.")  # fmt: skip
+            hooks.said(
+                f"Job {job_id} was evicted from pool '{job.pool}': launched again on pool '{target}' as job {new_id} "
+                f"(recover_to of '{job.pool}' in {self.fleet.source}); it resumes from what it saved. Cancelling job {job_id}."
+            )
             hooks.released(self.release([self.backend.holding_of(job_id)]))
             return new_id, new_job
-        hooks.said(f"Job {job_id} was evicted from pool '{job.pool}' and no pool of its recover_to can take it "
-                   f"now ({'; '.join(refused)}): SkyPilot recovers it on '{job.pool}'.")  # fmt: skip
+        hooks.said(
+            f"Job {job_id} was evicted from pool '{job.pool}' and no pool of its recover_to can take it "
+            f"now ({'; '.join(refused)}): SkyPilot recovers it on '{job.pool}'."
+        )
         return None
 
     def submit_batch(self, job: ResolvedJob, num_jobs: int, *, pool_name: str, workers: int) -> list[str]:
@@ -332,8 +348,10 @@ class Launcher:
         pool = self.fleet.pools[job.pool]
         per_job = max(1, job.route.total_gpus)
         mine = own * per_job  # usage() counts the warm pool's own workers: they are this batch's to reuse
-        free = min(pool.gpu_cap - usage.gpus.get(job.pool, 0) + mine,
-                   pool.user_gpu_cap - usage.user_gpus.get((request.user, job.pool), 0) + mine)  # fmt: skip
+        free = min(
+            pool.gpu_cap - usage.gpus.get(job.pool, 0) + mine,
+            pool.user_gpu_cap - usage.user_gpus.get((request.user, job.pool), 0) + mine,
+        )
         reason = f"pool '{job.pool}' cap {pool.gpu_cap}, {usage.gpus.get(job.pool, 0)} GPUs held"
         reported = self.backend.free_gpus(job.route) if job.route.accelerator else None
         if reported is not None:
@@ -372,12 +390,14 @@ class Launcher:
         ids = list(job_ids)
         hub = status_hub(self.backend)
         if service is not None:
+
             def statuses(asked: Sequence[str]) -> dict[str, JobInfo]:
                 return {service.job_id: service.status()}
 
             follow: Callable[[str], LogFollower] = lambda _job_id: service.follow_logs()  # noqa: E731
             most = s.poll_interval_s  # a service's URL shows without a change of state: no backing off
         else:
+
             def statuses(asked: Sequence[str]) -> dict[str, JobInfo]:
                 return hub.get(asked, max_age_s=s.poll_interval_s)
 
@@ -439,19 +459,34 @@ class Launcher:
         except interrupts:
             if forward_termination:
                 live = [i for i in ids if i not in infos or not infos[i].state.is_terminal]
-                what = f"job {live[0]}" if len(ids) == 1 else f"the {len(live)} jobs" + (f" on pool {also_release[0].id}" if also_release else "")
+                what = (
+                    f"job {live[0]}"
+                    if len(ids) == 1
+                    else f"the {len(live)} jobs" + (f" on pool {also_release[0].id}" if also_release else "")
+                )
                 hooks.said(f"Run terminated: cancelling {what}.")
                 hooks.released(self.release([*(self.backend.holding_of(i) for i in live), *also_release]))
             raise
         finally:
             hub.unwatch([i for i in ids if i not in streams.done])
             streams.close()
-        return Watched(job_ids=ids, infos={i: infos[i] for i in ids if i in infos},
-                       timelines={i: timelines[i] for i in ids}, moved=moved)  # fmt: skip
+        return Watched(
+            job_ids=ids,
+            infos={i: infos[i] for i in ids if i in infos},
+            timelines={i: timelines[i] for i in ids},
+            moved=moved,
+        )
 
     @staticmethod
-    def _replace(ids: list[str], old: str, new: str, infos: dict[str, JobInfo],
-                 timelines: dict[str, Timeline], streams: _Streams, hub: Any) -> None:  # fmt: skip
+    def _replace(
+        ids: list[str],
+        old: str,
+        new: str,
+        infos: dict[str, JobInfo],
+        timelines: dict[str, Timeline],
+        streams: _Streams,
+        hub: Any,
+    ) -> None:
         """Follows the job launched in place of an evicted one (its timeline goes on)."""
         streams.stop(old)
         hub.unwatch([old])
@@ -461,7 +496,9 @@ class Launcher:
         hub.watch([new])
         streams.start([new], infos, now=True)
 
-    def ended(self, job_id: str, info: JobInfo, redact: Callable[[str], str] = str) -> tuple[JobFailed | None, str | None]:
+    def ended(
+        self, job_id: str, info: JobInfo, redact: Callable[[str], str] = str
+    ) -> tuple[JobFailed | None, str | None]:
         """After a job ended: what its failure was (its last log lines), and what giving back what its end
         does not (a step cluster, once its log tail is read) did."""
         failure = None
@@ -471,9 +508,16 @@ class Launcher:
         return failure, self.backend.finish(job_id)
 
     # ----------------------------------------------------------------- services
-    def serve(self, job: ResolvedJob, *, port: int, ready_timeout_s: float, hooks: Hooks | None = None,
-              redact: Callable[[str], str] = str,
-              interrupts: tuple[type[BaseException], ...] = (KeyboardInterrupt,)) -> tuple[Service, str]:  # fmt: skip
+    def serve(
+        self,
+        job: ResolvedJob,
+        *,
+        port: int,
+        ready_timeout_s: float,
+        hooks: Hooks | None = None,
+        redact: Callable[[str], str] = str,
+        interrupts: tuple[type[BaseException], ...] = (KeyboardInterrupt,),
+    ) -> tuple[Service, str]:
         """Starts a service (a demo) on ``job.cluster_name`` and waits for its URL.
 
         Raises:
@@ -492,8 +536,15 @@ class Launcher:
             return bool(found) or time.monotonic() >= deadline
 
         try:
-            watched = self.wait([service.job_id], hooks, redact=redact, interrupts=interrupts, service=service,
-                                until=answered, forward_termination=False)  # fmt: skip
+            watched = self.wait(
+                [service.job_id],
+                hooks,
+                redact=redact,
+                interrupts=interrupts,
+                service=service,
+                until=answered,
+                forward_termination=False,
+            )
         except interrupts:
             self.backend.stop_service(job.cluster_name)
             raise
@@ -503,7 +554,9 @@ class Launcher:
             raise JobFailed(service.job_id, info.state.value, "the service stopped before it answered", tail)
         if not url:
             self.backend.stop_service(job.cluster_name)
-            raise TimeoutError(f"Service {job.cluster_name} did not answer within {ready_timeout_s:.0f} s; it was stopped.")
+            raise TimeoutError(
+                f"Service {job.cluster_name} did not answer within {ready_timeout_s:.0f} s; it was stopped."
+            )
         return service, url[0]
 
     # ----------------------------------------------------------------- release
@@ -512,7 +565,9 @@ class Launcher:
         cluster gone, its processes gone. A release not confirmed within ``cancel_timeout_s`` says so in its
         outcome (the orphan reconciler tries again once its run has ended)."""
         s = self.settings
-        return release_and_verify(self.backend, holdings, timeout_s=s.cancel_timeout_s, poll_s=max(s.poll_interval_s, 1.0))
+        return release_and_verify(
+            self.backend, holdings, timeout_s=s.cancel_timeout_s, poll_s=max(s.poll_interval_s, 1.0)
+        )
 
     def cancel(self, job_id: str) -> ReleaseOutcome:
         """Cancels one job and verifies its release (``KeyError`` when the backend has no such job)."""

@@ -219,9 +219,7 @@ class LocalTransitBucket(TransitBucket):
             if not is_dir:
                 if head > after and head.startswith(prefix):
                     yield head
-            elif (head > after or after.startswith(head)) and (
-                head.startswith(prefix) or prefix.startswith(head)
-            ):
+            elif (head > after or after.startswith(head)) and (head.startswith(prefix) or prefix.startswith(head)):
                 yield from self._walk(folder / name, head, prefix, after)
 
     def list_keys(self, prefix: str = "", start_after: str | None = None) -> Iterator[str]:
@@ -234,5 +232,3 @@ class LocalTransitBucket(TransitBucket):
             except OSError:  # deleted since the walk, or a dangling link: listed, like list_keys does
                 size = 0
             yield key, size
-
-

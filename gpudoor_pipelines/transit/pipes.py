@@ -20,7 +20,6 @@ from gpudoor_pipelines.transit.s3 import S3TransitBucket
 logger = logging.getLogger(__name__)
 
 
-
 def pipes_context_injector(bucket: TransitBucket) -> dg.PipesContextInjector:
     """A Pipes context injector through ``bucket`` (S3: ``<root>/_pipes/context/<random>/context.json``)."""
     if not isinstance(bucket, S3TransitBucket):

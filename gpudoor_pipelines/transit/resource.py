@@ -47,8 +47,19 @@ class TransitBucketResource(dg.ConfigurableResource):
         return self._bucket
 
     def _build(self) -> TransitBucket:
-        names = ("kind", "local_root", "bucket", "prefix", "endpoint_url", "region", "access_key_id",
-                 "secret_access_key", "aws_session_token", "max_attempts", "verify")  # fmt: skip
+        names = (
+            "kind",
+            "local_root",
+            "bucket",
+            "prefix",
+            "endpoint_url",
+            "region",
+            "access_key_id",
+            "secret_access_key",
+            "aws_session_token",
+            "max_attempts",
+            "verify",
+        )
         return open_bucket(**{name: _plain(getattr(self, name)) for name in names})
 
 

@@ -233,9 +233,7 @@ class S3TransitBucket(TransitBucket):
                 if e.response["Error"]["Code"] != "InvalidRange":  # what an empty object answers
                     raise
                 return b""
-            with concurrent.futures.ThreadPoolExecutor(
-                self.max_concurrency
-            ) as pool:  # a big one: in parallel
+            with concurrent.futures.ThreadPoolExecutor(self.max_concurrency) as pool:  # a big one: in parallel
                 rest = pool.map(lambda start: part(start)[0], range(len(first), size, self.chunksize))
                 return b"".join([first, *rest])
 
@@ -275,5 +273,3 @@ class S3TransitBucket(TransitBucket):
             creds = found.get_frozen_credentials() if found else (None, None, None)
         names = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
         return {name: value for name, value in zip(names, creds, strict=True) if value}
-
-

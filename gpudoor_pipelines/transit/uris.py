@@ -71,6 +71,7 @@ def publish(uri: str, manifest: dict, files: Mapping[str, FileData] | None = Non
     bucket, key = bucket_for_uri(uri)
     return bucket.uri(bucket.publish(key, manifest, files))
 
+
 #: The transit settings and the environment variables that set them (the secrets among them are bound as
 #: ``dg.EnvVar`` by the Dagster resource, read straight from the environment elsewhere).
 ENV_SETTINGS = {
@@ -129,6 +130,14 @@ def open_bucket(
         raise TransitConfigError(f"unknown transit kind {kind!r}: set `kind` (GPUDOOR_TRANSIT) to local/s3")
     if not bucket:
         raise TransitConfigError("transit kind is 's3' but no `bucket` (GPUDOOR_S3_BUCKET) is set")
-    return S3TransitBucket(bucket, prefix or "", endpoint_url=endpoint_url or None, region=region or "us-east-1",
-                           access_key_id=access_key_id, secret_access_key=secret_access_key, session_token=aws_session_token,
-                           max_attempts=max_attempts, verify=verify)  # fmt: skip
+    return S3TransitBucket(
+        bucket,
+        prefix or "",
+        endpoint_url=endpoint_url or None,
+        region=region or "us-east-1",
+        access_key_id=access_key_id,
+        secret_access_key=secret_access_key,
+        session_token=aws_session_token,
+        max_attempts=max_attempts,
+        verify=verify,
+    )

@@ -102,9 +102,7 @@ def main() -> int:
             task = sky.Task(name="testbed-ready", run="true")
             # The cost owner the fleet's admin policy demands of every request.
             task.set_resources(
-                sky.Resources(
-                    infra=infra, accelerators=accelerators, labels={"gpudoor-cost-owner": "ml-research"}
-                )
+                sky.Resources(infra=infra, accelerators=accelerators, labels={"gpudoor-cost-owner": "ml-research"})
             )
             # The request returns nothing (the server drops the optimized DAG); it raises
             # ResourcesUnavailableError when nothing fits. Keep the optimizer's table.

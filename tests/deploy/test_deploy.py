@@ -185,9 +185,7 @@ def chart_instance(values: dict) -> dict:
     if concurrency.get("enabled"):
         runs, pools = concurrency.get("runs") or {}, concurrency.get("pools") or {}
         if queued.get("maxConcurrentRuns") is not None and runs.get("maxConcurrentRuns") is not None:
-            raise ValueError(
-                "the chart fails: maxConcurrentRuns set in both concurrency.runs and the run coordinator"
-            )
+            raise ValueError("the chart fails: maxConcurrentRuns set in both concurrency.runs and the run coordinator")
         rendered: dict = {}
         pool_fields = {
             "defaultLimit": "default_limit",
@@ -241,10 +239,7 @@ def test_helm_values_render_an_instance_dagster_accepts(values, tmp_path):
     assert config["run_monitoring"]["max_resume_run_attempts"] == 3
     assert config["run_retries"] == {"enabled": True, "max_retries": 2, "retry_on_asset_or_op_failure": False}
     # Queued, with no limit under the coordinator: the limits are in `concurrency.runs`.
-    assert (
-        "config" not in config["run_coordinator"]
-        and config["concurrency"]["runs"]["max_concurrent_runs"] == 40
-    )
+    assert "config" not in config["run_coordinator"] and config["concurrency"]["runs"]["max_concurrent_runs"] == 40
 
 
 def test_instance_file_holds_what_the_chart_renders(values, tmp_path):
@@ -254,16 +249,11 @@ def test_instance_file_holds_what_the_chart_renders(values, tmp_path):
     assert process_launcher_config(config["run_launcher"]["config"]) == process_launcher_config(
         chart["run_launcher"]["config"]
     )
-    assert (
-        config["run_launcher"]["module"] == "dagster_k8s"
-        and config["run_launcher"]["class"] == "K8sRunLauncher"
-    )
+    assert config["run_launcher"]["module"] == "dagster_k8s" and config["run_launcher"]["class"] == "K8sRunLauncher"
     for section in ("concurrency", "run_monitoring", "run_retries", "telemetry"):
         assert config[section] == chart[section], section
     expected_pg = dict(chart["storage"]["postgres"]["postgres_db"])
-    assert {
-        k: v for k, v in config["storage"]["postgres"]["postgres_db"].items() if k in expected_pg
-    } == expected_pg
+    assert {k: v for k, v in config["storage"]["postgres"]["postgres_db"].items() if k in expected_pg} == expected_pg
 
 
 def test_instance_settings_take_effect_in_a_real_instance(values, tmp_path):
@@ -298,9 +288,7 @@ def test_instance_settings_take_effect_in_a_real_instance(values, tmp_path):
 
 
 def _misspelled_launcher_key(instance: dict) -> None:
-    instance["run_launcher"]["config"]["job_namspace"] = instance["run_launcher"]["config"].pop(
-        "job_namespace"
-    )
+    instance["run_launcher"]["config"]["job_namspace"] = instance["run_launcher"]["config"].pop("job_namespace")
 
 
 def _misspelled_section(instance: dict) -> None:
@@ -409,9 +397,7 @@ def _launch_run_pod(values: dict, location: dict, tmp_path: Path):
     with dg.instance_for_test() as instance:
         launcher.register_instance(instance)
         run = instance.add_run(
-            DagsterRun(
-                job_name="__ASSET_JOB", run_id="6a0e4a0e-0000-4000-8000-000000000001", job_code_origin=origin
-            )
+            DagsterRun(job_name="__ASSET_JOB", run_id="6a0e4a0e-0000-4000-8000-000000000001", job_code_origin=origin)
         )
         launcher.launch_run(LaunchRunContext(dagster_run=run, workspace=None))
     ((namespace, job),) = batch_api.created
@@ -491,8 +477,13 @@ def test_cpu_step_pod_is_sized_by_its_op_tags(asset_name, cpu, memory, location)
     step = K8sContainerContext(run_k8s_config=get_user_defined_k8s_config(asset.op.tags))
     context = K8sContainerContext.create_from_config(location["container_context"]).merge(step)
     job_config = DagsterK8sJobConfig(job_image=location["image"], dagster_home=CHART_DAGSTER_HOME)
-    job = construct_dagster_k8s_job(job_config, args=["dagster", "api", "execute_step"], job_name=f"dagster-step-{asset_name.replace('_', '-')}",
-                                    user_defined_k8s_config=context.run_k8s_config, component="step_worker")  # fmt: skip
+    job = construct_dagster_k8s_job(
+        job_config,
+        args=["dagster", "api", "execute_step"],
+        job_name=f"dagster-step-{asset_name.replace('_', '-')}",
+        user_defined_k8s_config=context.run_k8s_config,
+        component="step_worker",
+    )
     _, job = _roundtrip(job, "V1Job")
     (container,) = job.spec.template.spec.containers
     assert container.resources.requests == {"cpu": cpu, "memory": memory}
@@ -511,9 +502,7 @@ def test_dagster_cloud_yaml_parsed_by_dagster_cloud_cli(location):
     models = pytest.importorskip("dagster_cloud_cli.config.models")
     from dagster_cloud_cli.config.merger import DagsterCloudConfigDefaultsMerger
 
-    processed = DagsterCloudConfigDefaultsMerger().process(
-        models.load_dagster_cloud_yaml(CLOUD_FILE.read_text())
-    )
+    processed = DagsterCloudConfigDefaultsMerger().process(models.load_dagster_cloud_yaml(CLOUD_FILE.read_text()))
     (loc,) = processed.locations
     assert loc.location_name == "gpudoor_pipelines"
     assert loc.code_source.module_name == "gpudoor_pipelines.definitions"
@@ -600,20 +589,20 @@ def test_readme_creates_the_secrets_the_files_name(values, location):
     secrets = _readme_secrets()
     for name, keys in RUN_SECRET_KEYS.items():
         assert secrets[name] == keys
-    assert secrets[chart_run_launcher(values)["config"]["postgres_password_secret"]] == {
-        "postgresql-password"
-    }
+    assert secrets[chart_run_launcher(values)["config"]["postgres_password_secret"]] == {"postgresql-password"}
     assert set(location["container_context"]["k8s"]["env_secrets"]) <= set(secrets)
     # The API server's: what the policy reads as GPUDOOR_POLICY_<NAME>, and the database (the SkyPilot
     # chart's `dbConnectionSecretName` reads the key `connection_string`).
-    readable = {f"GPUDOOR_POLICY_{n}" for n in (*SECRET_ENV_VARS, *TRANSIT_ENV_VARS, *load_fleet().secrets, LABEL_KEY_NAME)}
+    readable = {
+        f"GPUDOOR_POLICY_{n}" for n in (*SECRET_ENV_VARS, *TRANSIT_ENV_VARS, *load_fleet().secrets, LABEL_KEY_NAME)
+    }
     assert secrets["gpudoor-policy"] <= readable
-    assert {"GPUDOOR_POLICY_AWS_ACCESS_KEY_ID", "GPUDOOR_POLICY_AWS_SECRET_ACCESS_KEY"} <= secrets[
-        "gpudoor-policy"
-    ]
+    assert {"GPUDOOR_POLICY_AWS_ACCESS_KEY_ID", "GPUDOOR_POLICY_AWS_SECRET_ACCESS_KEY"} <= secrets["gpudoor-policy"]
     assert secrets["skypilot-db"] == {"connection_string"}
     # Run identities on jobs are signed in the code location and checked on the server: one key, both sides.
-    assert "GPUDOOR_LABEL_KEY" in secrets["gpudoor-skypilot"] and "GPUDOOR_POLICY_LABEL_KEY" in secrets["gpudoor-policy"]
+    assert (
+        "GPUDOOR_LABEL_KEY" in secrets["gpudoor-skypilot"] and "GPUDOOR_POLICY_LABEL_KEY" in secrets["gpudoor-policy"]
+    )
 
 
 # --------------------------------------------------------------------------------------------------

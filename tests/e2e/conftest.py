@@ -125,9 +125,7 @@ class DagsterServer:
     def graphql(self, query: str, variables: dict | None = None, timeout: float = 30.0) -> dict:
         """POSTs a query to the server's /graphql and returns ``data`` (fails on GraphQL errors)."""
         body = json.dumps({"query": query, "variables": variables or {}}).encode()
-        req = urllib.request.Request(
-            f"{self.url}/graphql", data=body, headers={"Content-Type": "application/json"}
-        )
+        req = urllib.request.Request(f"{self.url}/graphql", data=body, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             payload = json.loads(resp.read())
         if payload.get("errors"):
@@ -204,18 +202,14 @@ class DagsterServer:
         from dagster import DagsterRunStatus
 
         status = self.wait_for_run(run_id, timeout_s)
-        assert status == DagsterRunStatus.SUCCESS, (
-            f"run {run_id} ended {status}: {self.run_failure_message(run_id)}"
-        )
+        assert status == DagsterRunStatus.SUCCESS, f"run {run_id} ended {status}: {self.run_failure_message(run_id)}"
 
     def metadata(self, asset: str, partition: str | None = None) -> dict:
         """Metadata values of the latest materialization of an asset (or of one partition)."""
         import dagster as dg
 
         records = self.instance.fetch_materializations(
-            dg.AssetRecordsFilter(
-                asset_key=dg.AssetKey(asset), asset_partitions=[partition] if partition else None
-            ),
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=[partition] if partition else None),
             limit=1,
         ).records
         assert records, f"{asset}{f' [{partition}]' if partition else ''} was never materialized"
@@ -249,8 +243,7 @@ def _wait_until_loaded(server: DagsterServer) -> None:
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
             pytest.fail(
-                f"dagster dev exited with code {server.process.returncode} before it was ready.\n"
-                f"{server.log_tail()}"
+                f"dagster dev exited with code {server.process.returncode} before it was ready.\n{server.log_tail()}"
             )
         try:
             status, error = _location_status(server)
@@ -359,9 +352,7 @@ def dataset_ready(dagster_server) -> None:
     import dagster as dg
 
     if dagster_server.instance.get_latest_materialization_event(dg.AssetKey("dataset_shards")) is None:
-        dagster_server.assert_success(
-            dagster_server.submit(["dataset_shards"], run_config=DATASET_RUN_CONFIG)
-        )
+        dagster_server.assert_success(dagster_server.submit(["dataset_shards"], run_config=DATASET_RUN_CONFIG))
 
 
 @pytest.fixture(scope="session")
@@ -374,9 +365,7 @@ def browser(tmp_path_factory):
         try:
             import playwright.sync_api  # noqa: F401
         except ImportError:
-            missing = (
-                "the playwright Python package is missing (pip install playwright; no `playwright install`)"
-            )
+            missing = "the playwright Python package is missing (pip install playwright; no `playwright install`)"
     if missing:
         if _in_ci():
             pytest.fail(f"UI tests cannot run in CI: {missing}")

@@ -12,9 +12,7 @@ from tests.e2e.conftest import DATASET_RUN_CONFIG, LOCATION_NAME, REPOSITORY_NAM
 pytestmark = pytest.mark.e2e
 
 # A shorter training than the spec's default (60 steps): two checkpoints, enough for the evals.
-TRAIN_RUN_CONFIG = {
-    "ops": {"training_run": {"config": {"env": {"MAX_STEPS": "20", "CHECKPOINT_EVERY": "10"}}}}
-}
+TRAIN_RUN_CONFIG = {"ops": {"training_run": {"config": {"env": {"MAX_STEPS": "20", "CHECKPOINT_EVERY": "10"}}}}}
 
 
 _ADD_PARTITION = """
@@ -57,7 +55,9 @@ def test_agent_route_from_captions_to_checkpoint_evals(dagster_server):
     # The checkpoints become partitions (the sensor's work, stopped here), then one run evaluates both.
     selector = {"repositoryLocationName": LOCATION_NAME, "repositoryName": REPOSITORY_NAME}
     for checkpoint in checkpoints:
-        added = server.graphql(_ADD_PARTITION, {"selector": selector, "name": checkpoint_partitions.name, "key": checkpoint})
+        added = server.graphql(
+            _ADD_PARTITION, {"selector": selector, "name": checkpoint_partitions.name, "key": checkpoint}
+        )
         assert added["addDynamicPartition"]["__typename"] == "AddDynamicPartitionSuccess", added
     eval_run = server.submit_range(["checkpoint_evals"], checkpoints[0], checkpoints[-1])
     server.assert_success(eval_run)

@@ -62,9 +62,7 @@ def _type_into_editor(page, editor, text: str) -> None:
 def _launched_run_id(page) -> str:
     """The id of the run just launched: the launchpad opens the run's page, the partition dialog
     shows a "Launched run … View" toast."""
-    toast_link = (
-        page.get_by_role("region", name=re.compile("^Notifications")).locator('a[href^="/runs/"]').first
-    )
+    toast_link = page.get_by_role("region", name=re.compile("^Notifications")).locator('a[href^="/runs/"]').first
     deadline = time.monotonic() + EXPECT_TIMEOUT_MS / 1000
     while time.monotonic() < deadline:
         match = _RUN_PATH.search(page.url)
@@ -202,9 +200,7 @@ def test_failing_shard_shows_the_job_log_tail(page, dagster_server, artifacts_di
     # ...and the step's error, with the job's last lines in it.
     _filter_log(page, "type:STEP_FAILURE")
     expect(page.get_by_text("--- last log lines ---").first).to_be_visible()
-    expect(
-        page.get_by_text("CAPTION_MODEL='bogus' is not a known caption model", exact=False).first
-    ).to_be_visible()
+    expect(page.get_by_text("CAPTION_MODEL='bogus' is not a known caption model", exact=False).first).to_be_visible()
     _shot(page, artifacts_dir, "08-bad-shard-failure-log-tail")
 
     run = server.instance.get_run_by_id(run_id)

@@ -100,8 +100,14 @@ class FakeSky:
         self.status_interrupt_after: int | None = None  # raise ``interrupt`` from the n-th sky.status of named clusters
         self.stream_drops = 0  # the next n log streams of a cluster's job break off while the job runs on
         self.job_status_errors = 0  # the next n sky.job_status requests fail (the API server does not answer)
-        self.jobs = types.SimpleNamespace(launch=self._launch, queue_v2=self._queue_v2, tail_logs=self._tail_logs, cancel=self._cancel,
-                                          pool_status=self._pool_status, pool_down=self._pool_down)  # fmt: skip
+        self.jobs = types.SimpleNamespace(
+            launch=self._launch,
+            queue_v2=self._queue_v2,
+            tail_logs=self._tail_logs,
+            cancel=self._cancel,
+            pool_status=self._pool_status,
+            pool_down=self._pool_down,
+        )
         self.server = types.SimpleNamespace(common=types.SimpleNamespace(get_server_url=lambda: endpoint))
 
     def _count(self, name: str) -> None:
@@ -139,8 +145,12 @@ class FakeSky:
         with self._lock:
             self._count("cluster_launch")
             (resources,) = task.resources
-            handle = types.SimpleNamespace(launched_nodes=task.num_nodes, launched_resources=types.SimpleNamespace(
-                labels=dict(resources.labels or {}), accelerators=dict(resources.accelerators or {})))  # fmt: skip
+            handle = types.SimpleNamespace(
+                launched_nodes=task.num_nodes,
+                launched_resources=types.SimpleNamespace(
+                    labels=dict(resources.labels or {}), accelerators=dict(resources.accelerators or {})
+                ),
+            )
             self.up.append({"name": cluster_name, "status": "UP", "handle": handle, "launched_at": 1000.0})
             self.cluster_launches.append((cluster_name, task))
             return sum(1 for name, _ in self.cluster_launches if name == cluster_name), None
@@ -181,7 +191,9 @@ class FakeSky:
 
     def add_job(self, job_id: int, status: Status, labels: dict | None = None) -> None:
         """A job submitted earlier (by an earlier attempt of a step)."""
-        self.records[job_id] = Record(job_id, f"earlier-{job_id}", status, labels or {}, {"L4": 1}, "1x[L4:1]", submitted_at=500.0)
+        self.records[job_id] = Record(
+            job_id, f"earlier-{job_id}", status, labels or {}, {"L4": 1}, "1x[L4:1]", submitted_at=500.0
+        )
         self.polls[job_id] = 0
 
     def _launch(self, task: Any, name: str | None = None) -> tuple[list[int], None]:
@@ -194,20 +206,48 @@ class FakeSky:
                 from gpudoor_pipelines.launch.errors import PoolFull
 
                 raise self.exceptions.UserRequestRejectedByPolicy(
-                    PoolFull(pool, "task", "resources.accelerators", "at its cap (1/1 GPUs in use, 1 asked)", "wait").refusal())
+                    PoolFull(
+                        pool, "task", "resources.accelerators", "at its cap (1/1 GPUs in use, 1 asked)", "wait"
+                    ).refusal()
+                )
             self.launched.append(task)
-            self.records[job_id] = Record(job_id, name or task.name, Status.PENDING, dict(resources.labels or {}),
-                                          dict(resources.accelerators or {}), f"{task.num_nodes}x[...]", submitted_at=1000.0)  # fmt: skip
+            self.records[job_id] = Record(
+                job_id,
+                name or task.name,
+                Status.PENDING,
+                dict(resources.labels or {}),
+                dict(resources.accelerators or {}),
+                f"{task.num_nodes}x[...]",
+                submitted_at=1000.0,
+            )
             self.polls[job_id] = 0
         return [job_id], None
 
-    def _queue_v2(self, refresh=False, skip_finished=False, all_users=True, job_ids=None, limit=None, fields=None,
-                  submitted_before=None, **filters):  # fmt: skip
+    def _queue_v2(
+        self,
+        refresh=False,
+        skip_finished=False,
+        all_users=True,
+        job_ids=None,
+        limit=None,
+        fields=None,
+        submitted_before=None,
+        **filters,
+    ):
         with self._lock:
             self._count("queue_v2")
-            self.queue_requests.append({"refresh": refresh, "skip_finished": skip_finished, "all_users": all_users,
-                                        "job_ids": job_ids, "limit": limit, "fields": fields,
-                                        "submitted_before": submitted_before, **filters})  # fmt: skip
+            self.queue_requests.append(
+                {
+                    "refresh": refresh,
+                    "skip_finished": skip_finished,
+                    "all_users": all_users,
+                    "job_ids": job_ids,
+                    "limit": limit,
+                    "fields": fields,
+                    "submitted_before": submitted_before,
+                    **filters,
+                }
+            )
             rows = [r for r in self.records.values() if job_ids is None or r.job_id in job_ids]
             if submitted_before is not None:
                 rows = [r for r in rows if r.submitted_at is None or r.submitted_at <= submitted_before]
@@ -248,7 +288,11 @@ class FakeSky:
 
         task = self.launched[job_id - 1]
         path = decode_env_var(task.envs["DAGSTER_PIPES_MESSAGES"])["path"]
-        message = {PIPES_PROTOCOL_VERSION_FIELD: PIPES_PROTOCOL_VERSION, "method": "report_custom_message", "params": {"payload": payload}}
+        message = {
+            PIPES_PROTOCOL_VERSION_FIELD: PIPES_PROTOCOL_VERSION,
+            "method": "report_custom_message",
+            "params": {"payload": payload},
+        }
         with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps(message) + "\n")
 

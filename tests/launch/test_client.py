@@ -1,7 +1,6 @@
 """The SkyPilot Pipes client on the local backend, inside real Dagster runs: logs, metadata, failures,
 bad input before launch, re-attaching to a running job, and cancellation when the run is terminated."""
 
-
 import os
 import signal
 import subprocess
@@ -41,7 +40,9 @@ def _resource(tmp_path: Path, specs: Path) -> PipesSkyPilotClient:
 
 def _asset(name="probe_asset"):
     @dg.asset(name=name)
-    def probe(context: dg.AssetExecutionContext, config: LaunchConfig, skypilot: PipesSkyPilotClient) -> dg.MaterializeResult:
+    def probe(
+        context: dg.AssetExecutionContext, config: LaunchConfig, skypilot: PipesSkyPilotClient
+    ) -> dg.MaterializeResult:
         request = skypilot.request(context, "caption", inputs={"OUTPUT_URI": "file:///nowhere"}, config=config)
         return skypilot.run(context=context, request=request).get_materialize_result()
 
@@ -92,7 +93,10 @@ def test_undeclared_env_override_fails_before_anything_launches(tmp_path):
 def test_unknown_pool_tag_fails_before_anything_launches(tmp_path):
     specs = _specs(tmp_path, "echo hi")
     result = dg.materialize(
-        [_asset()], resources={"skypilot": _resource(tmp_path, specs)}, tags={"gpudoor/pool": "nowhere"}, raise_on_error=False
+        [_asset()],
+        resources={"skypilot": _resource(tmp_path, specs)},
+        tags={"gpudoor/pool": "nowhere"},
+        raise_on_error=False,
     )
     assert not result.success
     (failure,) = [e for e in result.all_events if e.is_step_failure]
@@ -107,9 +111,17 @@ def test_retried_step_reattaches_to_the_running_job(tmp_path):
     from gpudoor_pipelines.launch.resolve.request import ResolvedJob
 
     earlier = backend.submit(
-        ResolvedJob(name="earlier", config={"name": "earlier", "resources": {"accelerators": "L4:1"}, "run": "sleep 10; echo earlier-attempt-done"},
-                    workdir=str(PROJECT_ROOT), pool="onprem")
-    )  # fmt: skip
+        ResolvedJob(
+            name="earlier",
+            config={
+                "name": "earlier",
+                "resources": {"accelerators": "L4:1"},
+                "run": "sleep 10; echo earlier-attempt-done",
+            },
+            workdir=str(PROJECT_ROOT),
+            pool="onprem",
+        )
+    )
     with dg.instance_for_test() as instance:
         result = dg.materialize(
             [_asset()],
@@ -138,8 +150,13 @@ def test_terminating_the_run_cancels_the_job_and_its_processes(tmp_path):
             """
         )
     )
-    proc = subprocess.Popen([sys.executable, str(script)], cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)})  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        cwd=PROJECT_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)},
+    )
     try:
         deadline = time.time() + 120
         while time.time() < deadline and (not pidfile.exists() or len(pidfile.read_text().split()) < 2):
@@ -160,7 +177,7 @@ def test_terminating_the_run_cancels_the_job_and_its_processes(tmp_path):
 
 def test_job_env_json_has_no_secrets(tmp_path, monkeypatch):
     """Transit credentials reach the job as secrets: never in the job's stored task nor in the run log."""
-    specs = _specs(tmp_path, "test -n \"$AWS_SECRET_ACCESS_KEY\" && echo key-present; echo leak=$AWS_SECRET_ACCESS_KEY")
+    specs = _specs(tmp_path, 'test -n "$AWS_SECRET_ACCESS_KEY" && echo key-present; echo leak=$AWS_SECRET_ACCESS_KEY')
     transit = TransitBucketResource(local_root=str(tmp_path / "transit"))
     resource = _resource(tmp_path, specs)
 
@@ -188,7 +205,9 @@ def test_a_batch_reports_each_preemption_of_a_rank_once():
         seen, reported, before = [], {}, {}
         for state, recoveries in states:
             now = {"7": JobInfo(job_id="7", state=state, recoveries=recoveries)}
-            _report_preemptions(["7"], before, now, reported, lambda rank, info, at: seen.append((rank, info.recoveries)))
+            _report_preemptions(
+                ["7"], before, now, reported, lambda rank, info, at: seen.append((rank, info.recoveries))
+            )
             before = now
         return seen
 

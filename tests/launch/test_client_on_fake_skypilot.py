@@ -46,19 +46,37 @@ def fake_sky(monkeypatch):
 def _client(tmp_path: Path, fake: FakeSky, **kwargs) -> PipesSkyPilotClient:
     specs = tmp_path / "specs"
     specs.mkdir(exist_ok=True)
-    (specs / "caption.yaml").write_text(yaml.safe_dump({"name": "probe", "resources": {"accelerators": {"RTX6000-Ada": 1, "L4": 1}}, "run": "echo hi"}))
-    return PipesSkyPilotClient(backend="skypilot", api_server_endpoint=fake.endpoint, specs_dir=str(specs), poll_interval_s=0.01,
-                               cancel_timeout_s=5, transit=TransitBucketResource(local_root=str(tmp_path / "transit")), **kwargs)  # fmt: skip
+    (specs / "caption.yaml").write_text(
+        yaml.safe_dump({"name": "probe", "resources": {"accelerators": {"RTX6000-Ada": 1, "L4": 1}}, "run": "echo hi"})
+    )
+    return PipesSkyPilotClient(
+        backend="skypilot",
+        api_server_endpoint=fake.endpoint,
+        specs_dir=str(specs),
+        poll_interval_s=0.01,
+        cancel_timeout_s=5,
+        transit=TransitBucketResource(local_root=str(tmp_path / "transit")),
+        **kwargs,
+    )
 
 
 @dg.asset(partitions_def=dg.StaticPartitionsDefinition(["shard-007"]))
-def probe_asset(context: dg.AssetExecutionContext, config: LaunchConfig, skypilot: PipesSkyPilotClient) -> dg.MaterializeResult:
-    return skypilot.run(context=context, request=skypilot.request(context, "caption", config=config)).get_materialize_result()
+def probe_asset(
+    context: dg.AssetExecutionContext, config: LaunchConfig, skypilot: PipesSkyPilotClient
+) -> dg.MaterializeResult:
+    return skypilot.run(
+        context=context, request=skypilot.request(context, "caption", config=config)
+    ).get_materialize_result()
 
 
 def test_launch_records_one_typed_record_as_metadata(tmp_path, fake_sky):
     with dg.instance_for_test() as instance:
-        result = dg.materialize([probe_asset], partition_key="shard-007", instance=instance, resources={"skypilot": _client(tmp_path, fake_sky)})
+        result = dg.materialize(
+            [probe_asset],
+            partition_key="shard-007",
+            instance=instance,
+            resources={"skypilot": _client(tmp_path, fake_sky)},
+        )
         assert result.success
         md = {k: v.value for k, v in result.asset_materializations_for_node("probe_asset")[0].metadata.items()}
         logs = [e.user_message for e in instance.all_logs(result.run_id)]
@@ -71,7 +89,9 @@ def test_launch_records_one_typed_record_as_metadata(tmp_path, fake_sky):
     # The run's identity reached SkyPilot as labels (from the Pipes session's invocation info).
     (resources,) = fake_sky.launched[0].resources
     assert resources.labels["dagster-run-id"] == result.run_id and resources.labels["dagster-partition"] == "shard-007"
-    assert resources.labels["dagster-asset"] == "probe_asset" and resources.labels["dagster-job"] == "ephemeral_asset_job"
+    assert (
+        resources.labels["dagster-asset"] == "probe_asset" and resources.labels["dagster-job"] == "ephemeral_asset_job"
+    )
 
 
 @pytest.mark.parametrize("forward", [True, False])
@@ -79,8 +99,13 @@ def test_termination_is_forwarded_to_the_job(tmp_path, fake_sky, forward):
     fake_sky.interrupt_after = 2
     fake_sky.interrupt = dg.DagsterExecutionInterruptedError()
     with dg.instance_for_test() as instance:
-        result = dg.materialize([probe_asset], partition_key="shard-007", raise_on_error=False, instance=instance,
-                                resources={"skypilot": _client(tmp_path, fake_sky, forward_termination=forward)})  # fmt: skip
+        result = dg.materialize(
+            [probe_asset],
+            partition_key="shard-007",
+            raise_on_error=False,
+            instance=instance,
+            resources={"skypilot": _client(tmp_path, fake_sky, forward_termination=forward)},
+        )
         tags = instance.get_run_by_id(result.run_id).tags
     assert not result.success
     assert fake_sky.cancelled == ([1] if forward else [])
@@ -100,7 +125,12 @@ def test_a_preempted_job_records_what_the_preemption_cost(tmp_path, fake_sky):
     fake_sky.polls_to_finish, fake_sky.preempt_at = 8, {4}
     fake_sky.says = {2: [save], 3: [{"note": "not a save"}]}  # saved once, then preempted two looks later
     with dg.instance_for_test() as instance:
-        result = dg.materialize([probe_asset], partition_key="shard-007", instance=instance, resources={"skypilot": _client(tmp_path, fake_sky)})
+        result = dg.materialize(
+            [probe_asset],
+            partition_key="shard-007",
+            instance=instance,
+            resources={"skypilot": _client(tmp_path, fake_sky)},
+        )
         assert result.success
         md = {k: v.value for k, v in result.asset_materializations_for_node("probe_asset")[0].metadata.items()}
         warnings = [e.user_message for e in instance.all_logs(result.run_id) if e.level >= logging.WARNING]
@@ -115,7 +145,12 @@ def test_a_preempted_job_records_what_the_preemption_cost(tmp_path, fake_sky):
 
 def test_a_job_never_preempted_has_a_goodput_of_one(tmp_path, fake_sky):
     with dg.instance_for_test() as instance:
-        result = dg.materialize([probe_asset], partition_key="shard-007", instance=instance, resources={"skypilot": _client(tmp_path, fake_sky)})
+        result = dg.materialize(
+            [probe_asset],
+            partition_key="shard-007",
+            instance=instance,
+            resources={"skypilot": _client(tmp_path, fake_sky)},
+        )
     md = {k: v.value for k, v in result.asset_materializations_for_node("probe_asset")[0].metadata.items()}
     assert md["recoveries"] == 0 and md["gpu_hours_lost_to_preemption"] == 0 and md["goodput"] == 1.0
 
@@ -129,27 +164,44 @@ def _server_counted_fleet(tmp_path: Path) -> str:
 
 def test_when_the_server_counts_live_caps_nothing_is_read_before_the_launch(tmp_path, fake_sky):
     with dg.instance_for_test() as instance:
-        result = dg.materialize([probe_asset], partition_key="shard-007", instance=instance,
-                                resources={"skypilot": _client(tmp_path, fake_sky, fleet_file=_server_counted_fleet(tmp_path))})  # fmt: skip
+        result = dg.materialize(
+            [probe_asset],
+            partition_key="shard-007",
+            instance=instance,
+            resources={"skypilot": _client(tmp_path, fake_sky, fleet_file=_server_counted_fleet(tmp_path))},
+        )
     assert result.success
     # The first request is the launch itself; the queue is read only to watch the job.
-    assert fake_sky.requests.get("pool_status", 0) == 0 and [q["job_ids"] for q in fake_sky.queue_requests] == [[1]] * len(fake_sky.queue_requests)
+    assert fake_sky.requests.get("pool_status", 0) == 0 and [q["job_ids"] for q in fake_sky.queue_requests] == [
+        [1]
+    ] * len(fake_sky.queue_requests)
 
 
 def test_a_pool_the_server_says_is_full_is_routed_around(tmp_path, fake_sky):
     fake_sky.full_pools = {"onprem"}
     with dg.instance_for_test() as instance:
-        result = dg.materialize([probe_asset], partition_key="shard-007", instance=instance,
-                                resources={"skypilot": _client(tmp_path, fake_sky, fleet_file=_server_counted_fleet(tmp_path))})  # fmt: skip
+        result = dg.materialize(
+            [probe_asset],
+            partition_key="shard-007",
+            instance=instance,
+            resources={"skypilot": _client(tmp_path, fake_sky, fleet_file=_server_counted_fleet(tmp_path))},
+        )
         logs = [e.user_message for e in instance.all_logs(result.run_id)]
     assert result.success
     md = result.asset_materializations_for_node("probe_asset")[0].metadata
     assert md["pool"].value == "inference" and fake_sky.requests["launch"] == 2
-    assert any("The API server says pool 'onprem' is full (at its cap (1/1 GPUs in use, 1 asked)): routing again." in m for m in logs)
+    assert any(
+        "The API server says pool 'onprem' is full (at its cap (1/1 GPUs in use, 1 asked)): routing again." in m
+        for m in logs
+    )
     # Once every pool of the route is full, nothing is launched, and the step says why.
     fake_sky.full_pools = {"onprem", "inference"}
-    result = dg.materialize([probe_asset], partition_key="shard-007", raise_on_error=False,
-                            resources={"skypilot": _client(tmp_path, fake_sky, fleet_file=_server_counted_fleet(tmp_path))})  # fmt: skip
+    result = dg.materialize(
+        [probe_asset],
+        partition_key="shard-007",
+        raise_on_error=False,
+        resources={"skypilot": _client(tmp_path, fake_sky, fleet_file=_server_counted_fleet(tmp_path))},
+    )
     (failure,) = [e for e in result.all_events if e.is_step_failure]
     text = failure.step_failure_data.user_failure_data.description
     assert text.startswith("Nothing was launched.") and "at its cap" in text
@@ -158,8 +210,13 @@ def test_a_pool_the_server_says_is_full_is_routed_around(tmp_path, fake_sky):
 def test_a_retried_step_reattaches_instead_of_launching_again(tmp_path, fake_sky):
     fake_sky.add_job(7, Status.RUNNING)
     with dg.instance_for_test() as instance:
-        result = dg.materialize([probe_asset], partition_key="shard-007", instance=instance, resources={"skypilot": _client(tmp_path, fake_sky)},
-                                tags={"gpudoor/job-probe-asset-shard-007-caption": "skypilot:7"})  # fmt: skip
+        result = dg.materialize(
+            [probe_asset],
+            partition_key="shard-007",
+            instance=instance,
+            resources={"skypilot": _client(tmp_path, fake_sky)},
+            tags={"gpudoor/job-probe-asset-shard-007-caption": "skypilot:7"},
+        )
         assert result.success
         logs = [e.user_message for e in instance.all_logs(result.run_id)]
     assert fake_sky.launched == [] and any("Re-attaching to job 7" in m for m in logs)
@@ -168,7 +225,12 @@ def test_a_retried_step_reattaches_instead_of_launching_again(tmp_path, fake_sky
 
 def test_an_sdk_talking_to_another_server_is_refused_before_launch(tmp_path, fake_sky):
     fake_sky.server.common.get_server_url = lambda: "http://127.0.0.1:1"
-    result = dg.materialize([probe_asset], partition_key="shard-007", raise_on_error=False, resources={"skypilot": _client(tmp_path, fake_sky)})
+    result = dg.materialize(
+        [probe_asset],
+        partition_key="shard-007",
+        raise_on_error=False,
+        resources={"skypilot": _client(tmp_path, fake_sky)},
+    )
     (failure,) = [e for e in result.all_events if e.is_step_failure]
     text = failure.step_failure_data.user_failure_data.description
     assert text.startswith("Nothing was launched.") and "SKYPILOT_API_SERVER_ENDPOINT" in text
@@ -181,7 +243,12 @@ def test_warm_pool_workers_count_as_held_gpus(tmp_path, fake_sky):
     fake_sky.pools = [
         {"name": "gpudoor-caption-1234abcd", "status": "READY", "target_num_replicas": 3, "pool_yaml": pool_yaml},
         {"name": "gpudoor-caption-old", "status": "SHUTTING_DOWN", "target_num_replicas": 5, "pool_yaml": pool_yaml},
-        {"name": "someone-elses", "status": "READY", "target_num_replicas": 2, "pool_yaml": "resources: {accelerators: L4:1}\n"},
+        {
+            "name": "someone-elses",
+            "status": "READY",
+            "target_num_replicas": 2,
+            "pool_yaml": "resources: {accelerators: L4:1}\n",
+        },
     ]
     usage = _client(tmp_path, fake_sky).get_backend().usage()
     assert usage.gpus == {"onprem": 3} and usage.user_gpus == {("ana", "onprem"): 3}
@@ -199,7 +266,9 @@ def _evicted_from_onprem(tmp_path: Path, fake: FakeSky) -> tuple[dict, list[str]
     """Materializes the probe with onprem's recover_to naming inference: its metadata, warnings and run tags."""
     with dg.instance_for_test() as instance:
         client = _client(tmp_path, fake, fleet_file=_fleet_recovering_onprem_to(tmp_path, "inference"))
-        result = dg.materialize([probe_asset], partition_key="shard-007", instance=instance, resources={"skypilot": client})
+        result = dg.materialize(
+            [probe_asset], partition_key="shard-007", instance=instance, resources={"skypilot": client}
+        )
         assert result.success
         md = {k: v.value for k, v in result.asset_materializations_for_node("probe_asset")[0].metadata.items()}
         warnings = [e.user_message for e in instance.all_logs(result.run_id) if e.level >= logging.WARNING]
@@ -218,7 +287,10 @@ def test_a_job_evicted_from_a_pool_with_recover_to_moves_to_the_next_pool(tmp_pa
     assert fake_sky.cancelled == [1] and fake_sky.records[1].status is Status.CANCELLED
     assert md["job_id"] == "2" and md["pool"] == "inference" and md["status"] == "SUCCEEDED"
     assert md["recoveries"] == 1 and "goodput" in md
-    assert any(w.startswith("Job 1 was evicted from pool 'onprem': launched again on pool 'inference' as job 2") for w in warnings)
+    assert any(
+        w.startswith("Job 1 was evicted from pool 'onprem': launched again on pool 'inference' as job 2")
+        for w in warnings
+    )
     assert tags["gpudoor/released-job-1"].startswith("confirmed in")
     # A retried step re-attaches to the job that runs now, not the one cancelled.
     assert tags["gpudoor/job-probe-asset-shard-007-caption"] == "skypilot:2"
@@ -230,7 +302,10 @@ def test_an_evicted_job_stays_with_skypilots_recovery_when_no_pool_of_recover_to
     md, warnings, _ = _evicted_from_onprem(tmp_path, fake_sky)
     assert len(fake_sky.launched) == 1 and fake_sky.cancelled == []
     assert md["job_id"] == "1" and md["pool"] == "onprem" and md["recoveries"] == 1
-    assert any("no pool of its recover_to can take it now (inference:" in w and "SkyPilot recovers it on 'onprem'" in w for w in warnings)
+    assert any(
+        "no pool of its recover_to can take it now (inference:" in w and "SkyPilot recovers it on 'onprem'" in w
+        for w in warnings
+    )
 
 
 def test_recover_to_names_other_pools_of_the_fleet(tmp_path):

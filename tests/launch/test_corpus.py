@@ -111,8 +111,21 @@ def server(config: dict) -> str:
 def test_the_corpus_is_big_enough_and_covers_every_shape():
     assert len(FILES) >= 30
     text = "\n".join(p.read_text() for p in FILES)
-    for shape in ("ports:", "service:", "num_nodes:", "any_of:", "ordered:", "use_spot:", "cpus:", "file_mounts:", "workdir:",
-                  "secrets:", "tpu-", "\n---\n", "image_id:"):  # fmt: skip
+    for shape in (
+        "ports:",
+        "service:",
+        "num_nodes:",
+        "any_of:",
+        "ordered:",
+        "use_spot:",
+        "cpus:",
+        "file_mounts:",
+        "workdir:",
+        "secrets:",
+        "tpu-",
+        "\n---\n",
+        "image_id:",
+    ):
         assert shape in text, f"no corpus file has {shape!r}"
 
 

@@ -42,9 +42,21 @@ def test_shipped_fleet_loads():
         (lambda r: r.update(cpu_route=["inference", "cloud"]), "cpu_route[1]", "unknown pool 'cloud'"),
         (lambda r: r["accelerator_routes"].update(H100="nowhere"), "accelerator_routes.H100", "unknown pool 'nowhere'"),
         (lambda r: r.update(default_cost_owner="marketing"), "default_cost_owner", "add it to cost_owners"),
-        (lambda r: r["pools"]["inference"].update(vcpu_cap=0), "pools.inference.vcpu_cap", "greater than or equal to 1"),
-        (lambda r: r["evaluation"].update(max_runs_per_tick=0), "evaluation.max_runs_per_tick", "greater than or equal to 1"),
-        (lambda r: r["evaluation"].update(max_run_per_tick=3), "evaluation.max_run_per_tick", "did you mean 'max_runs_per_tick'"),
+        (
+            lambda r: r["pools"]["inference"].update(vcpu_cap=0),
+            "pools.inference.vcpu_cap",
+            "greater than or equal to 1",
+        ),
+        (
+            lambda r: r["evaluation"].update(max_runs_per_tick=0),
+            "evaluation.max_runs_per_tick",
+            "greater than or equal to 1",
+        ),
+        (
+            lambda r: r["evaluation"].update(max_run_per_tick=3),
+            "evaluation.max_run_per_tick",
+            "did you mean 'max_runs_per_tick'",
+        ),
     ],
 )
 def test_fleet_mistakes_name_file_field_and_fix(edit, field, words):

@@ -31,7 +31,11 @@ def test_work_since_the_last_save_before_a_preemption_is_lost():
     assert cost.gpu_hours_lost == pytest.approx(16 * 20 / 3600)
     assert cost.goodput == pytest.approx(180 / 200)
     md = cost.to_metadata()
-    assert md["recoveries"] == 1 and md["goodput"] == 0.9 and md["gpu_hours_held"] == pytest.approx(16 * 200 / 3600, abs=1e-6)
+    assert (
+        md["recoveries"] == 1
+        and md["goodput"] == 0.9
+        and md["gpu_hours_held"] == pytest.approx(16 * 200 / 3600, abs=1e-6)
+    )
 
 
 def test_a_job_that_saves_nothing_loses_every_interrupted_stretch():
@@ -73,7 +77,9 @@ def test_a_job_seen_recovering_but_never_seen_running_still_counts_a_recovery():
 
 
 def test_a_job_waiting_for_new_gpus_between_recovering_and_pending_counts_one_recovery():
-    timeline = _timeline((0, R, 0), (40, REC, 0), (45, P, 0), (60, REC, 0), (70, P, 0), (80, REC, 0), (90, R, 1), (120, OK, 1))
+    timeline = _timeline(
+        (0, R, 0), (40, REC, 0), (45, P, 0), (60, REC, 0), (70, P, 0), (80, REC, 0), (90, R, 1), (120, OK, 1)
+    )
     cost = preemption_cost(timeline, [], gpus=1, ended_at=121)
     assert cost.recoveries == 1 and len(cost.preemptions) == 1
 
@@ -85,10 +91,18 @@ def test_the_backend_count_of_time_ran_is_the_time_held():
 
 
 def test_a_cancel_is_not_a_preemption():
-    cost = preemption_cost(_timeline((0, R, 0), (50, JobState.CANCELLING, 0), (60, JobState.CANCELLED, 0)), [], gpus=1, ended_at=61)
+    cost = preemption_cost(
+        _timeline((0, R, 0), (50, JobState.CANCELLING, 0), (60, JobState.CANCELLED, 0)), [], gpus=1, ended_at=61
+    )
     assert cost.preemptions == () and cost.goodput == 1.0
 
 
 def test_only_messages_with_a_save_time_are_saves():
-    messages = [{"saved": "part", "durable_at": 20.5}, {"shard": "a", "state": "done"}, "text", {"durable_at": "soon"}, {"durable_at": 3}]
+    messages = [
+        {"saved": "part", "durable_at": 20.5},
+        {"shard": "a", "state": "done"},
+        "text",
+        {"durable_at": "soon"},
+        {"durable_at": 3},
+    ]
     assert saved_times(messages) == [3.0, 20.5]

@@ -27,7 +27,9 @@ def test_the_one_loop_waits_for_a_batch_and_streams_each_jobs_lines():
     backend.add("b", 2.2)
     lines: list[str] = []
     states: list[tuple[str, str]] = []
-    watched = _launcher(backend).wait(["a", "b"], Hooks(line=lines.append, state=lambda j, info: states.append((j, info.state.value))))
+    watched = _launcher(backend).wait(
+        ["a", "b"], Hooks(line=lines.append, state=lambda j, info: states.append((j, info.state.value)))
+    )
     assert {j: info.state.value for j, info in watched.infos.items()} == {"a": "SUCCEEDED", "b": "SUCCEEDED"}
     assert "[job a] a: second 0" in lines and "[job b] b: second 1" in lines  # several jobs: each line says whose
     assert ("a", "SUCCEEDED") in states and ("b", "SUCCEEDED") in states
@@ -54,9 +56,11 @@ def test_an_interruption_cancels_what_is_still_running_and_verifies_the_release(
 
 
 def test_the_launcher_and_the_agent_door_import_no_dagster():
-    script = ("import sys, gpudoor_pipelines.launch.launcher, gpudoor_pipelines.cli.agent, "
-              "gpudoor_pipelines.launch.backends.local, gpudoor_pipelines.launch.backends.skypilot\n"
-              "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('dagster', 'dagster_aws', 'sky'))\n"
-              "assert not loaded, loaded")  # fmt: skip
+    script = (
+        "import sys, gpudoor_pipelines.launch.launcher, gpudoor_pipelines.cli.agent, "
+        "gpudoor_pipelines.launch.backends.local, gpudoor_pipelines.launch.backends.skypilot\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('dagster', 'dagster_aws', 'sky'))\n"
+        "assert not loaded, loaded"
+    )
     out = subprocess.run([sys.executable, "-c", script], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

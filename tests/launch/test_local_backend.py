@@ -15,7 +15,13 @@ from tests.conftest import PROJECT_ROOT
 
 
 def _job(run: str, *, setup: str | None = None, num_nodes: int = 1, envs=None, secrets=None, pool_env=None, name="t"):
-    config = {"name": name, "num_nodes": num_nodes, "resources": {"accelerators": "H200:8"}, "run": run, "envs": envs or {}}
+    config = {
+        "name": name,
+        "num_nodes": num_nodes,
+        "resources": {"accelerators": "H200:8"},
+        "run": run,
+        "envs": envs or {},
+    }
     if setup:
         config["setup"] = setup
     if secrets:
@@ -41,8 +47,8 @@ def backend(tmp_path):
 def test_environment_contract(backend):
     job = _job(
         "echo TASK=$SKYPILOT_TASK_ID; echo NODES=$SKYPILOT_NUM_NODES; echo RANK=$SKYPILOT_NODE_RANK; "
-        "echo GPUS=$SKYPILOT_NUM_GPUS_PER_NODE; echo IPS=$(echo \"$SKYPILOT_NODE_IPS\" | wc -l); "
-        "echo INPUT=$INPUT_URI; echo CKPT=$CHECKPOINTS_DIR; test -d \"$CHECKPOINTS_DIR\" && echo CKPT_EXISTS; echo PWD=$(pwd)",
+        'echo GPUS=$SKYPILOT_NUM_GPUS_PER_NODE; echo IPS=$(echo "$SKYPILOT_NODE_IPS" | wc -l); '
+        'echo INPUT=$INPUT_URI; echo CKPT=$CHECKPOINTS_DIR; test -d "$CHECKPOINTS_DIR" && echo CKPT_EXISTS; echo PWD=$(pwd)',
         envs={"INPUT_URI": "file:///tmp/x"},
         pool_env={"CHECKPOINTS_DIR": "/lustre/checkpoints"},
     )
@@ -68,7 +74,13 @@ def test_one_process_per_node_rank(backend):
 
 
 def test_setup_runs_before_run(backend):
-    job_id = backend.submit(_job("cat $GPUDOOR_HOME_MARK", setup="echo from-setup > $GPUDOOR_HOME_MARK", envs={"GPUDOOR_HOME_MARK": str(backend.home / "mark")}))
+    job_id = backend.submit(
+        _job(
+            "cat $GPUDOOR_HOME_MARK",
+            setup="echo from-setup > $GPUDOOR_HOME_MARK",
+            envs={"GPUDOOR_HOME_MARK": str(backend.home / "mark")},
+        )
+    )
     assert _wait(backend, job_id) == JobState.SUCCEEDED
     assert "from-setup" in backend.log_tail(job_id)
 
@@ -88,7 +100,7 @@ def test_failed_setup(backend):
 
 
 def test_secrets_reach_the_job_but_not_the_disk(backend):
-    job_id = backend.submit(_job("test \"$TOKEN\" = \"s3cr3t\"-value && echo has-token", secrets={"TOKEN": "s3cr3t-value"}))
+    job_id = backend.submit(_job('test "$TOKEN" = "s3cr3t"-value && echo has-token', secrets={"TOKEN": "s3cr3t-value"}))
     assert _wait(backend, job_id) == JobState.SUCCEEDED
     assert "has-token" in backend.log_tail(job_id)
     for f in backend.job_dir(job_id).iterdir():
@@ -96,7 +108,11 @@ def test_secrets_reach_the_job_but_not_the_disk(backend):
 
 
 def _pids_alive(pids):
-    return [p for p in pids if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]]
+    return [
+        p
+        for p in pids
+        if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    ]
 
 
 def test_cancel_kills_the_whole_process_tree(backend, tmp_path):
@@ -141,10 +157,22 @@ def test_usage_counts_running_jobs(backend):
 
 
 def test_usage_counts_cpu_jobs_in_vcpus_and_gpus_per_user(backend):
-    cpu = ResolvedJob(name="prep", config={"name": "prep", "resources": {"cpus": "6+"}, "num_nodes": 2, "run": "sleep 300"},
-                      workdir=str(PROJECT_ROOT), pool="ondemand")  # fmt: skip
-    gpu = ResolvedJob(name="mine", config={"name": "mine", "resources": {"accelerators": "L4:2", "labels": {"gpudoor-user": "ada"}}, "run": "sleep 300"},
-                      workdir=str(PROJECT_ROOT), pool="inference")  # fmt: skip
+    cpu = ResolvedJob(
+        name="prep",
+        config={"name": "prep", "resources": {"cpus": "6+"}, "num_nodes": 2, "run": "sleep 300"},
+        workdir=str(PROJECT_ROOT),
+        pool="ondemand",
+    )
+    gpu = ResolvedJob(
+        name="mine",
+        config={
+            "name": "mine",
+            "resources": {"accelerators": "L4:2", "labels": {"gpudoor-user": "ada"}},
+            "run": "sleep 300",
+        },
+        workdir=str(PROJECT_ROOT),
+        pool="inference",
+    )
     ids = [backend.submit(cpu), backend.submit(gpu)]
     usage = backend.usage()
     assert usage.vcpus == {"ondemand": 12} and usage.gpus == {"inference": 2}
@@ -156,10 +184,16 @@ def test_usage_counts_cpu_jobs_in_vcpus_and_gpus_per_user(backend):
 def test_service_gets_a_free_loopback_port_and_stops(backend):
     job = ResolvedJob(
         name="lab-x",
-        config={"name": "demo", "resources": {"accelerators": "L4:1", "ports": 8000}, "envs": {"PORT": "8000"},
-                "run": "exec python -m http.server --bind $SERVE_HOST $PORT"},
-        workdir=str(PROJECT_ROOT), pool="inference", cluster_name="lab-x",
-    )  # fmt: skip
+        config={
+            "name": "demo",
+            "resources": {"accelerators": "L4:1", "ports": 8000},
+            "envs": {"PORT": "8000"},
+            "run": "exec python -m http.server --bind $SERVE_HOST $PORT",
+        },
+        workdir=str(PROJECT_ROOT),
+        pool="inference",
+        cluster_name="lab-x",
+    )
     service = backend.start_service(job)
     job_id = service.job_id
     deadline = time.time() + 30
@@ -178,7 +212,9 @@ def test_service_gets_a_free_loopback_port_and_stops(backend):
 def _pool_job(run: str, *, setup: str | None = None, gpus: int = 1):
     job = _job(run, setup=setup)
     job.config["resources"] = {"accelerators": {"L4": gpus}, "labels": {"gpudoor-user": "ana"}}
-    return ResolvedJob(name="batch", config=job.config, workdir=job.workdir, pool="onprem", labels={"gpudoor-user": "ana"})
+    return ResolvedJob(
+        name="batch", config=job.config, workdir=job.workdir, pool="onprem", labels={"gpudoor-user": "ana"}
+    )
 
 
 def _wait_all(backend: LocalBackend, ids: list[str], timeout: float = 60) -> tuple[dict[str, JobState], int]:
@@ -197,8 +233,10 @@ def test_pool_runs_ranks_on_warm_workers(backend, tmp_path):
     marker = tmp_path / "setups"
     ids = backend.submit_batch(
         _pool_job("echo rank=$SKYPILOT_JOB_RANK of=$SKYPILOT_NUM_JOBS; sleep 0.3", setup=f"echo x >> {marker}"),
-        6, pool_name="p", workers=2,
-    )  # fmt: skip
+        6,
+        pool_name="p",
+        workers=2,
+    )
     states, most = _wait_all(backend, ids)
     assert set(states.values()) == {JobState.SUCCEEDED}
     assert most <= 2  # never more jobs at once than workers
@@ -220,8 +258,10 @@ def test_pool_workers_hold_their_gpus_until_released(backend):
 def test_pool_rank_failure_and_cancel_leave_the_others(backend):
     ids = backend.submit_batch(
         _pool_job('[ "$SKYPILOT_JOB_RANK" = 1 ] && exit 3; [ "$SKYPILOT_JOB_RANK" = 2 ] && sleep 60; true'),
-        4, pool_name="p", workers=2,
-    )  # fmt: skip
+        4,
+        pool_name="p",
+        workers=2,
+    )
     deadline = time.time() + 30
     while backend.status(ids[2]).state != JobState.RUNNING and time.time() < deadline:
         time.sleep(0.05)

@@ -32,7 +32,9 @@ def _apply(sky, config: dict, request="jobs.launch", cluster_name=None, at_clien
     task = sky.Task.from_yaml_config(copy.deepcopy(config))
     options = None
     if cluster_name:
-        options = admin_policy.RequestOptions(cluster_name=cluster_name, idle_minutes_to_autostop=None, down=False, dryrun=False)
+        options = admin_policy.RequestOptions(
+            cluster_name=cluster_name, idle_minutes_to_autostop=None, down=False, dryrun=False
+        )
     with skypilot_config.override_skypilot_config({"admin_policy": POLICY}):
         dag, _ = admin_policy_utils.apply(task, AdminPolicyRequestName(request), options, at_client_side=at_client_side)
     return dag.tasks[0]
@@ -87,7 +89,9 @@ def test_transit_credentials_become_secrets_not_envs(sky, monkeypatch):
 
 
 def test_autostop_for_lab_clusters_only(sky):
-    demo = _apply(sky, _spec("demo", infra="k8s/inference-prod", labels=OWNER), request="launch", cluster_name="lab-demo")
+    demo = _apply(
+        sky, _spec("demo", infra="k8s/inference-prod", labels=OWNER), request="launch", cluster_name="lab-demo"
+    )
     assert _resources(demo).autostop_config is not None and _resources(demo).autostop_config.enabled
     job = _apply(sky, _spec("eval", infra="k8s/inference-prod", labels=OWNER))
     assert _resources(job).autostop_config is None or not _resources(job).autostop_config.enabled
@@ -112,7 +116,11 @@ def test_a_task_keeps_its_own_cost_owner(sky):
 
 
 def test_rejects_unknown_cost_owner(sky):
-    _rejected(sky, _spec("eval", infra="k8s/inference-prod", labels={"gpudoor-cost-owner": "marketing"}), "unknown cost owner 'marketing'")
+    _rejected(
+        sky,
+        _spec("eval", infra="k8s/inference-prod", labels={"gpudoor-cost-owner": "marketing"}),
+        "unknown cost owner 'marketing'",
+    )
 
 
 def test_rejects_gpu_the_pool_does_not_have(sky):
@@ -162,7 +170,9 @@ def test_only_the_server_injects_its_credentials(sky, monkeypatch):
 
 def test_a_cluster_launch_is_interactive_whatever_its_name(sky):
     """SkyPilot names a cluster launch `launch`: any cluster that stays up gets autostop."""
-    task = _apply(sky, _spec("demo", infra="k8s/inference-prod", labels=OWNER), request="launch", cluster_name="my-notebook")
+    task = _apply(
+        sky, _spec("demo", infra="k8s/inference-prod", labels=OWNER), request="launch", cluster_name="my-notebook"
+    )
     assert _resources(task).autostop_config is not None and _resources(task).autostop_config.enabled
     assert _resources(task).labels["gpudoor-interactive"] == "true"
 
@@ -171,7 +181,14 @@ def test_server_pass_after_client_pass_changes_nothing(sky, monkeypatch):
     """Client then server (with its credentials): the second pass only adds what the server holds."""
     monkeypatch.setenv("GPUDOOR_LABEL_KEY", "deployment-key")
     monkeypatch.setenv("GPUDOOR_POLICY_LABEL_KEY", "deployment-key")
-    first = _apply(sky, _spec("eval", infra="k8s/inference-prod", labels={**OWNER, "dagster-run-id": "0123abcd", "dagster-asset": "checkpoint_evals"}))
+    first = _apply(
+        sky,
+        _spec(
+            "eval",
+            infra="k8s/inference-prod",
+            labels={**OWNER, "dagster-run-id": "0123abcd", "dagster-asset": "checkpoint_evals"},
+        ),
+    )
     second = _apply(sky, first.to_yaml_config(), at_client_side=False)
     # The server names the user itself (it knows who sent the request); everything else is unchanged.
     assert second.envs == first.envs
@@ -214,8 +231,13 @@ def test_the_choice_among_gpu_alternatives_does_not_depend_on_the_hash_seed(tmp_
     )
     seen = set()
     for seed in ("1", "2", "3"):
-        out = subprocess.run([sys.executable, "-c", probe], env={**__import__("os").environ, "PYTHONHASHSEED": seed},
-                             capture_output=True, text=True, check=True)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-c", probe],
+            env={**__import__("os").environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         seen.add(out.stdout.strip().splitlines()[-1])
     assert seen == {"L4:1"}
 
@@ -242,7 +264,12 @@ def test_file_mounts_skypilot_adds_for_the_launchers_workdir_are_not_refused(sky
     mounts = {"~/sky_workdir": "/var/lib/api-server/blobs/abc"}
     launched = {**_spec("caption", labels={**OWNER, "gpudoor-via": "launcher"}), "file_mounts": mounts}
     assert mutate_config(launched, load_fleet(), user="ada")["file_mounts"] == mounts
-    _rejected(sky, {**_spec("caption", labels=OWNER), "file_mounts": {"/data": "s3://somewhere/data"}}, "transit bucket", at_client_side=False)
+    _rejected(
+        sky,
+        {**_spec("caption", labels=OWNER), "file_mounts": {"/data": "s3://somewhere/data"}},
+        "transit bucket",
+        at_client_side=False,
+    )
 
 
 RUN = {"dagster-run-id": "0123abcd", "dagster-asset": "checkpoint_evals"}
@@ -260,7 +287,10 @@ def test_a_run_identity_reaches_the_server_only_when_signed_with_the_deployment_
     monkeypatch.setenv("GPUDOOR_LABEL_KEY", "deployment-key")
     signed = _apply(sky, _spec("eval", infra="k8s/inference-prod", labels={**OWNER, **RUN}))  # the client's pass signs
     kept = _resources(_apply(sky, signed.to_yaml_config(), at_client_side=False)).labels
-    assert kept["dagster-run-id"] == "0123abcd" and kept["gpudoor-signature"] == _resources(signed).labels["gpudoor-signature"]
+    assert (
+        kept["dagster-run-id"] == "0123abcd"
+        and kept["gpudoor-signature"] == _resources(signed).labels["gpudoor-signature"]
+    )
 
     # A signature copied onto other labels (another run's id) does not check out.
     replayed = signed.to_yaml_config()
@@ -346,7 +376,13 @@ def test_a_preempted_jobs_relaunch_in_the_region_it_ran_in_goes_back_onto_its_po
         assert (relaunch.region, relaunch.zone) == ("h200-ib", "train") and relaunch.labels["gpudoor-pool"] == "h200"
     # A whole region with no pool of the job's to go back to is refused, saying which pools there are.
     unlabelled = _spec("train", infra="slurm/h200-ib", labels=OWNER)
-    _rejected(sky, unlabelled, "'slurm/h200-ib' is not a pool of the fleet", request="jobs.launch_cluster", at_client_side=False)
+    _rejected(
+        sky,
+        unlabelled,
+        "'slurm/h200-ib' is not a pool of the fleet",
+        request="jobs.launch_cluster",
+        at_client_side=False,
+    )
     elsewhere = _spec("train", infra="slurm/h200-ib", labels={**OWNER, "gpudoor-pool": "onprem"})
     _rejected(sky, elsewhere, "'slurm/h200-ib' is not a pool of the fleet", at_client_side=False)
 
@@ -385,22 +421,46 @@ def test_the_server_reads_what_running_and_pending_jobs_and_warm_pools_hold(monk
 
     from gpudoor_pipelines.launch.server import policy
 
-    pending_task = yaml.safe_dump_all([{"name": "t"}, {"num_nodes": 2, "resources": {
-        "accelerators": "H200:8", "labels": {"gpudoor-pool": "h200", "gpudoor-user": "bob"}}}])  # fmt: skip
+    pending_task = yaml.safe_dump_all(
+        [
+            {"name": "t"},
+            {
+                "num_nodes": 2,
+                "resources": {"accelerators": "H200:8", "labels": {"gpudoor-pool": "h200", "gpudoor-user": "bob"}},
+            },
+        ]
+    )
     jobs = [
-        {"job_id": 1, "labels": {"gpudoor-pool": "h200", "gpudoor-user": "alice"}, "accelerators": {"H200": 8}, "resources": "4x[H200:8]"},
+        {
+            "job_id": 1,
+            "labels": {"gpudoor-pool": "h200", "gpudoor-user": "alice"},
+            "accelerators": {"H200": 8},
+            "resources": "4x[H200:8]",
+        },
         {"job_id": 2, "labels": None, "accelerators": None, "resources": "-", "user_yaml": pending_task, "task_id": 0},
         {"job_id": 3, "labels": None, "pool": "gpudoor-caption-1", "resources": "-"},  # on a warm pool
         {"job_id": 4, "labels": {"team": "x"}, "accelerators": {"L4": 1}, "resources": "1x[L4:1]"},  # not the door's
     ]
-    pool_yaml = yaml.safe_dump({"resources": {"accelerators": "L4:1", "labels": {"gpudoor-pool": "onprem", "gpudoor-user": "night"}}})
+    pool_yaml = yaml.safe_dump(
+        {"resources": {"accelerators": "L4:1", "labels": {"gpudoor-pool": "onprem", "gpudoor-user": "night"}}}
+    )
     monkeypatch.setattr(managed_job_utils, "is_consolidation_mode", lambda: True)
-    monkeypatch.setattr(managed_job_utils, "get_managed_job_queue", lambda **kw: {"jobs": jobs} if kw["skip_finished"] else {})
-    monkeypatch.setattr(policy, "_warm_pools", lambda: [{"status": "READY", "pool_yaml": pool_yaml, "target_num_replicas": 3}])
+    monkeypatch.setattr(
+        managed_job_utils, "get_managed_job_queue", lambda **kw: {"jobs": jobs} if kw["skip_finished"] else {}
+    )
+    monkeypatch.setattr(
+        policy, "_warm_pools", lambda: [{"status": "READY", "pool_yaml": pool_yaml, "target_num_replicas": 3}]
+    )
     # A step the fleet launches as a cluster of its own (the smoke test): its cluster holds its GPUs.
-    smoke = types.SimpleNamespace(launched_nodes=1, launched_resources=types.SimpleNamespace(
-        labels={"gpudoor-pool": "h200", "gpudoor-user": "carol"}, accelerators={"H200": 1}))  # fmt: skip
-    monkeypatch.setattr(policy, "_step_clusters", lambda: [{"name": "gpudoor-step-smoke-1-ab12", "status": "UP", "handle": smoke}])
+    smoke = types.SimpleNamespace(
+        launched_nodes=1,
+        launched_resources=types.SimpleNamespace(
+            labels={"gpudoor-pool": "h200", "gpudoor-user": "carol"}, accelerators={"H200": 1}
+        ),
+    )
+    monkeypatch.setattr(
+        policy, "_step_clusters", lambda: [{"name": "gpudoor-step-smoke-1-ab12", "status": "UP", "handle": smoke}]
+    )
     usage = policy.server_usage()
     assert usage.gpus == {"h200": 32 + 16 + 1, "onprem": 3}
     assert usage.user_gpus == {("alice", "h200"): 32, ("bob", "h200"): 16, ("carol", "h200"): 1, ("night", "onprem"): 3}

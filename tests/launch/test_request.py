@@ -15,11 +15,21 @@ from gpudoor_pipelines.launch.resolve.specs import load_spec
 
 
 def test_resolve_is_pure_and_names_the_job_after_the_run():
-    request = LaunchRequest(spec=load_spec("caption"), inputs={"SHARD_URI": "s3://b/shard-003"}, env={"CAPTION_MODEL": "color-shape-v1"},
-                            asset="caption_shards", partition="shard-003", dagster={"dagster/run-id": "0123abcd-ffff"}, step="caption")  # fmt: skip
+    request = LaunchRequest(
+        spec=load_spec("caption"),
+        inputs={"SHARD_URI": "s3://b/shard-003"},
+        env={"CAPTION_MODEL": "color-shape-v1"},
+        asset="caption_shards",
+        partition="shard-003",
+        dagster={"dagster/run-id": "0123abcd-ffff"},
+        step="caption",
+    )
     first, second = resolve(request, load_fleet()), resolve(request, load_fleet())
     assert first == second and first.name == "caption-shards-shard-003-0123abcd"
-    assert first.config["envs"]["SHARD_URI"] == "s3://b/shard-003" and first.config["envs"]["CAPTION_MODEL"] == "color-shape-v1"
+    assert (
+        first.config["envs"]["SHARD_URI"] == "s3://b/shard-003"
+        and first.config["envs"]["CAPTION_MODEL"] == "color-shape-v1"
+    )
     assert first.labels["dagster-partition"] == "shard-003" and first.labels["gpudoor-step"] == "caption"
     assert request.spec.config["resources"]["accelerators"] == {"RTX6000-Ada": 1, "L4": 1, "H100": 1}
 
@@ -37,9 +47,14 @@ def test_resolve_uses_live_usage_and_refuses_undeclared_env():
 def test_where_shows_exactly_what_resolve_gives(capsys, spec):
     assert main(["where", spec, "--step", spec, "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    job = resolve(LaunchRequest(spec=load_spec(spec), user=shown["labels"]["gpudoor-user"], asset="(gpudoor where)", step=spec), load_fleet())
+    job = resolve(
+        LaunchRequest(spec=load_spec(spec), user=shown["labels"]["gpudoor-user"], asset="(gpudoor where)", step=spec),
+        load_fleet(),
+    )
     assert (shown["pool"], shown["infra"], shown["accelerators"]) == (job.pool, job.route.infra, job.route.accelerators)
-    assert shown["labels"] == job.labels and shown["injected_env"] == job.pool_env and shown["policy"] == list(job.notes)
+    assert (
+        shown["labels"] == job.labels and shown["injected_env"] == job.pool_env and shown["policy"] == list(job.notes)
+    )
 
 
 def test_where_explains_a_cpu_only_job(capsys, tmp_path):
@@ -48,6 +63,8 @@ def test_where_explains_a_cpu_only_job(capsys, tmp_path):
     assert main(["where", str(path), "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert (shown["pool"], shown["accelerators"], shown["vcpus"]) == ("inference", None, 8)
-    assert shown["labels"]["gpudoor-cost-owner"] == "ml-research" and shown["injected_env"]["GPUDOOR_POOL"] == "inference"
+    assert (
+        shown["labels"]["gpudoor-cost-owner"] == "ml-research" and shown["injected_env"]["GPUDOOR_POOL"] == "inference"
+    )
     assert main(["where", str(path)]) == 0
     assert "CPUs        : 8 vCPUs x1 node(s)" in capsys.readouterr().out

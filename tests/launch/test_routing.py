@@ -19,7 +19,13 @@ def fleet():
 
 @pytest.mark.parametrize(
     "spec, pool, gpu",
-    [("caption", "onprem", "RTX6000-Ada"), ("train", "h200", "H200"), ("smoke", "h200", "H200"), ("eval", "inference", "L4"), ("demo", "inference", "L4")],
+    [
+        ("caption", "onprem", "RTX6000-Ada"),
+        ("train", "h200", "H200"),
+        ("smoke", "h200", "H200"),
+        ("eval", "inference", "L4"),
+        ("demo", "inference", "L4"),
+    ],
 )
 def test_each_step_goes_to_its_first_pool(fleet, spec, pool, gpu):
     r = route(load_spec(spec), fleet, step=spec)
@@ -97,12 +103,17 @@ def test_a_gpu_set_is_any_of_its_gpus_and_the_choice_never_depends_on_hashing(fl
 def test_a_job_goes_only_where_skypilot_can_run_it(fleet, tmp_path):
     """Ports are not supported on Slurm: a server asking for a Slurm-only GPU is refused, naming why."""
     p = tmp_path / "serve.yaml"
-    p.write_text(yaml.safe_dump({"name": "s", "resources": {"accelerators": "RTX6000-Ada:1", "ports": 8000}, "run": "true"}))
+    p.write_text(
+        yaml.safe_dump({"name": "s", "resources": {"accelerators": "RTX6000-Ada:1", "ports": 8000}, "run": "true"})
+    )
     with pytest.raises(LaunchConfigError, match="Opening ports is not supported in Slurm"):
         route(load_spec(p), fleet)
     p.write_text(yaml.safe_dump({"name": "s", "resources": {"accelerators": "L4:1", "use_spot": True}, "run": "true"}))
     r = route(load_spec(p), fleet)  # Kubernetes has no spot here; the rented pool has
-    assert (r.pool.name, r.use_spot) == ("ondemand", True) and "Spot instances are not supported in Kubernetes" in r.skipped[0]
+    assert (r.pool.name, r.use_spot) == (
+        "ondemand",
+        True,
+    ) and "Spot instances are not supported in Kubernetes" in r.skipped[0]
 
 
 def test_gpu_no_pool_offers(fleet, tmp_path):
@@ -154,7 +165,10 @@ def test_live_per_user_cap(fleet):
     assert route(load_spec("caption"), fleet, step="caption", user="grace", usage=usage).pool.name == "onprem"
     # Usage comes back from job labels, where a user name is in its label form.
     labelled = Usage(user_gpus={("first.last-corp.example", "onprem"): 8})
-    assert route(load_spec("caption"), fleet, step="caption", user="first.last@corp.example", usage=labelled).pool.name == "inference"
+    assert (
+        route(load_spec("caption"), fleet, step="caption", user="first.last@corp.example", usage=labelled).pool.name
+        == "inference"
+    )
 
 
 def test_cpu_only_job_goes_to_the_cpu_route(fleet, tmp_path):

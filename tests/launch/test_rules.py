@@ -23,7 +23,12 @@ from gpudoor_pipelines.launch.resolve.rules import (
 from gpudoor_pipelines.launch.resolve.specs import load_spec
 
 FLEET = load_fleet()
-CTX = LaunchContext(cost_owner="ml-research", user="ada", step="eval", dagster={"dagster/run-id": "0123abcd", "dagster/asset": "checkpoint_evals"})
+CTX = LaunchContext(
+    cost_owner="ml-research",
+    user="ada",
+    step="eval",
+    dagster={"dagster/run-id": "0123abcd", "dagster/asset": "checkpoint_evals"},
+)
 
 
 def _draft(spec="eval", pool=None, ctx=CTX, injected=None, **task_extra) -> Draft:
@@ -76,7 +81,11 @@ def test_autostop_rule_only_for_interactive_clusters():
     demo = _draft("demo", ctx=LaunchContext(cost_owner="ml-research", interactive=True))
     autostop_rule(demo)
     assert demo.task["resources"]["autostop"] == {"idle_minutes": 60, "down": True}
-    own = _draft("demo", ctx=LaunchContext(cost_owner="ml-research", interactive=True), resources={"accelerators": "L4:1", "autostop": {"idle_minutes": 5}})
+    own = _draft(
+        "demo",
+        ctx=LaunchContext(cost_owner="ml-research", interactive=True),
+        resources={"accelerators": "L4:1", "autostop": {"idle_minutes": 5}},
+    )
     autostop_rule(own)
     assert own.task["resources"]["autostop"] == {"idle_minutes": 5}  # the task's own choice is kept
 
@@ -104,7 +113,9 @@ def test_secrets_rule_keeps_credentials_out_of_env():
     d = _draft(injected=Injected(secrets={"AWS_SECRET_ACCESS_KEY": "s3cr3t-value"}))
     secrets_rule(d)
     env_rule(d)
-    assert d.task["secrets"] == {"AWS_SECRET_ACCESS_KEY": "s3cr3t-value"} and "AWS_SECRET_ACCESS_KEY" not in d.task["envs"]
+    assert (
+        d.task["secrets"] == {"AWS_SECRET_ACCESS_KEY": "s3cr3t-value"} and "AWS_SECRET_ACCESS_KEY" not in d.task["envs"]
+    )
 
 
 def test_rules_applied_twice_change_nothing():
@@ -114,4 +125,8 @@ def test_rules_applied_twice_change_nothing():
     once = apply_rules(spec.config, chosen, CTX, FLEET, injected, source=spec.path)
     twice = apply_rules(once.config, chosen, LaunchContext.from_labels(once.labels), FLEET, injected, source=spec.path)
     assert twice.config == once.config and twice.notes == once.notes
-    assert spec.config["resources"]["accelerators"] == {"L4": 1, "RTX6000-Ada": 1, "H100": 1}  # the spec is never changed
+    assert spec.config["resources"]["accelerators"] == {
+        "L4": 1,
+        "RTX6000-Ada": 1,
+        "H100": 1,
+    }  # the spec is never changed

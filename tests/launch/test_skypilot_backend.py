@@ -38,7 +38,10 @@ def test_task_carries_env_secrets_infra_labels_and_nodes():
     task = SkyPilotBackend("http://127.0.0.1:1").build_task(job)
     (resources,) = task.resources
     assert task.name == job.name and task.num_nodes == 2
-    assert task.envs["OUTPUT_URI"] == "s3://transit/checkpoints/x" and task.envs["CHECKPOINTS_DIR"] == "/lustre/checkpoints"
+    assert (
+        task.envs["OUTPUT_URI"] == "s3://transit/checkpoints/x"
+        and task.envs["CHECKPOINTS_DIR"] == "/lustre/checkpoints"
+    )
     assert "AWS_SECRET_ACCESS_KEY" not in task.envs
     assert task.secrets["AWS_SECRET_ACCESS_KEY"].get_secret_value() == "secret-value"
     assert resources.infra.to_str().startswith("slurm/h200-ib")

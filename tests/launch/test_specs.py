@@ -88,7 +88,9 @@ def test_credential_names_match_whole_parts_only(tmp_path):
 
 
 def test_every_problem_of_a_file_at_once(tmp_path):
-    path = _write(tmp_path, {**BASE, "file_mounts": {"/d": "s3://b"}, "envs": {"HF_TOKEN": "x", "DATA": "/mnt/d"}, "runn": "x"})
+    path = _write(
+        tmp_path, {**BASE, "file_mounts": {"/d": "s3://b"}, "envs": {"HF_TOKEN": "x", "DATA": "/mnt/d"}, "runn": "x"}
+    )
     with pytest.raises(LaunchConfigError) as err:
         load_spec(path)
     assert sorted(p.field for p in err.value.problems) == ["envs.DATA", "envs.HF_TOKEN", "file_mounts", "runn"]
@@ -105,7 +107,13 @@ def test_a_pipeline_file_is_refused_as_such(tmp_path):
 
 @pytest.mark.parametrize(
     "value, expected",
-    [("H100", {"H100": 1}), ({"H200:8": None, "H100:8": None}, {"H200": 8, "H100": 8}), ("H200:8", {"H200": 8}), ({"L4": 1, "H100": 2}, {"L4": 1, "H100": 2}), (["L4:1", "A10G"], {"L4": 1, "A10G": 1})],
+    [
+        ("H100", {"H100": 1}),
+        ({"H200:8": None, "H100:8": None}, {"H200": 8, "H100": 8}),
+        ("H200:8", {"H200": 8}),
+        ({"L4": 1, "H100": 2}, {"L4": 1, "H100": 2}),
+        (["L4:1", "A10G"], {"L4": 1, "A10G": 1}),
+    ],
 )
 def test_parse_accelerators(value, expected):
     assert parse_accelerators(value) == expected
@@ -113,7 +121,9 @@ def test_parse_accelerators(value, expected):
 
 def test_cpu_only_spec_is_a_valid_task(tmp_path):
     """Data prep asks for CPUs and memory, no GPU: a valid SkyPilot task, and a valid spec."""
-    path = _write(tmp_path, {"name": "prep", "resources": {"cpus": "8+", "memory": "32+"}, "run": "echo prep"}, "prep.yaml")
+    path = _write(
+        tmp_path, {"name": "prep", "resources": {"cpus": "8+", "memory": "32+"}, "run": "echo prep"}, "prep.yaml"
+    )
     spec = load_spec(path, skypilot=True)
     assert spec.is_cpu_only and spec.vcpus == 8 and spec.accelerators == {}
 
@@ -123,7 +133,9 @@ def test_spec_is_loaded_and_checked_once_per_file_version(tmp_path, monkeypatch)
 
     calls = []
     real = specs.validate_with_skypilot
-    monkeypatch.setattr(specs, "validate_with_skypilot", lambda config, source: (calls.append(source), real(config, source)))
+    monkeypatch.setattr(
+        specs, "validate_with_skypilot", lambda config, source: (calls.append(source), real(config, source))
+    )
     path = _write(tmp_path, BASE, "once.yaml")
     assert load_spec(path, skypilot=True) is load_spec(path, skypilot=True)
     assert len(calls) == 1

@@ -35,15 +35,24 @@ def _fleet(tmp_path: Path, **launch_as: str) -> str:
 
 
 @dg.asset(partitions_def=dg.StaticPartitionsDefinition(["shard-007"]))
-def probe_asset(context: dg.AssetExecutionContext, config: LaunchConfig, skypilot: PipesSkyPilotClient) -> dg.MaterializeResult:
-    return skypilot.run(context=context, request=skypilot.request(context, "caption", config=config)).get_materialize_result()
+def probe_asset(
+    context: dg.AssetExecutionContext, config: LaunchConfig, skypilot: PipesSkyPilotClient
+) -> dg.MaterializeResult:
+    return skypilot.run(
+        context=context, request=skypilot.request(context, "caption", config=config)
+    ).get_materialize_result()
 
 
 def _materialize(tmp_path, fake, **kwargs):
     instance = dg.DagsterInstance.ephemeral()
     client = _client(tmp_path, fake, fleet_file=_fleet(tmp_path, caption="cluster"), **kwargs)
-    result = dg.materialize([probe_asset], partition_key="shard-007", instance=instance, raise_on_error=False,
-                            resources={"skypilot": client})  # fmt: skip
+    result = dg.materialize(
+        [probe_asset],
+        partition_key="shard-007",
+        instance=instance,
+        raise_on_error=False,
+        resources={"skypilot": client},
+    )
     logs = [(e.level, e.user_message) for e in instance.all_logs(result.run_id)]
     return result, logs, instance.get_run_by_id(result.run_id).tags
 
@@ -147,9 +156,15 @@ def test_step_clusters_up_or_starting_count_against_the_caps(tmp_path, sky_api):
     import types
 
     def cluster(name: str, status: str, gpus: int, nodes: int = 1, labels: dict | None = None) -> dict:
-        resources = types.SimpleNamespace(labels=labels if labels is not None else {"gpudoor-pool": "h200", "gpudoor-user": "ana"},
-                                          accelerators={"H200": gpus})  # fmt: skip
-        return {"name": name, "status": status, "handle": types.SimpleNamespace(launched_nodes=nodes, launched_resources=resources)}
+        resources = types.SimpleNamespace(
+            labels=labels if labels is not None else {"gpudoor-pool": "h200", "gpudoor-user": "ana"},
+            accelerators={"H200": gpus},
+        )
+        return {
+            "name": name,
+            "status": status,
+            "handle": types.SimpleNamespace(launched_nodes=nodes, launched_resources=resources),
+        }
 
     sky_api.up = [
         cluster("gpudoor-step-smoke-1-ab12", "UP", 1),
@@ -178,7 +193,9 @@ def test_a_step_whose_cluster_cannot_be_looked_at_for_a_while_looks_again_and_en
     assert len(sky_api.cluster_launches) == 1 and sky_api.up == []
 
 
-def test_a_step_whose_cluster_stays_out_of_sight_fails_with_why_instead_of_waiting_forever(tmp_path, sky_api, monkeypatch):
+def test_a_step_whose_cluster_stays_out_of_sight_fails_with_why_instead_of_waiting_forever(
+    tmp_path, sky_api, monkeypatch
+):
     from gpudoor_pipelines.launch.backends import step_clusters
 
     monkeypatch.setattr(step_clusters, "_LOOK_AGAIN_FIRST_S", 0.01)

@@ -111,8 +111,14 @@ def managed_record(job_id: int):
     """Managed job ``job_id``'s record in SkyPilot's queue (status, labels, infra, name, pool, allocation name)."""
     import sky
 
-    records, *_ = sky.get(sky.jobs.queue_v2(refresh=False, all_users=True, job_ids=[job_id],
-                                            fields=["job_id", "status", "labels", "infra", "job_name", "pool", "cluster_name_on_cloud"]))  # fmt: skip
+    records, *_ = sky.get(
+        sky.jobs.queue_v2(
+            refresh=False,
+            all_users=True,
+            job_ids=[job_id],
+            fields=["job_id", "status", "labels", "infra", "job_name", "pool", "cluster_name_on_cloud"],
+        )
+    )
     return records[0]
 
 
@@ -214,9 +220,7 @@ def _rebind_sky_client_state(mp: pytest.MonkeyPatch) -> None:
     from sky.server import common as server_common
     from sky.skylet import constants, runtime_utils
 
-    catalog_dir = runtime_utils.get_runtime_dir_path(
-        os.path.join(".sky/catalogs", constants.CATALOG_SCHEMA_VERSION)
-    )
+    catalog_dir = runtime_utils.get_runtime_dir_path(os.path.join(".sky/catalogs", constants.CATALOG_SCHEMA_VERSION))
     mp.setattr(catalog_common, "_ABSOLUTE_VERSIONED_CATALOG_DIR", catalog_dir)
     registry = sys.modules.get("sky.utils.accelerator_registry")
     if registry is not None:
@@ -238,16 +242,24 @@ def _bring_up() -> None:
     # the pipe's end would outlive the timeout.
     log = TESTBED_DIR / ".bring-up.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(["bash", "-c", f"bash {TESTBED_DIR / 'up.sh'} && bash {TESTBED_DIR / 'node_env.sh'}"],
-                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            ["bash", "-c", f"bash {TESTBED_DIR / 'up.sh'} && bash {TESTBED_DIR / 'node_env.sh'}"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         try:
             returncode = proc.wait(timeout=UP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             proc.kill()
             returncode = f"none: cut off after {UP_TIMEOUT_S:.0f} s"
     if returncode != 0:
-        pytest.fail(f"testbed/up.sh failed (exit {returncode}, {time.time() - started:.0f}s)\n"
-                    f"--- {log} (tail)\n{log.read_text(errors='replace')[-8000:]}", pytrace=False)  # fmt: skip
+        pytest.fail(
+            f"testbed/up.sh failed (exit {returncode}, {time.time() - started:.0f}s)\n"
+            f"--- {log} (tail)\n{log.read_text(errors='replace')[-8000:]}",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(scope="session")
@@ -429,10 +441,21 @@ def bed_state(bed: Testbed) -> str:
     except Exception as e:  # noqa: BLE001 - diagnostics only
         parts.append(f"--- squeue failed: {e!r}")
     try:
-        records, *_ = sky.get(sky.jobs.queue_v2(refresh=False, all_users=True, skip_finished=True,
-                                                fields=["job_id", "job_name", "status", "recovery_count", "labels"]))  # fmt: skip
-        parts.append("--- unfinished managed jobs\n" + "\n".join(
-            f"{r['job_id']} {r['job_name']} {ManagedJobs.status_of(r)} recoveries={r['recovery_count']} {r.get('labels')}" for r in records))  # fmt: skip
+        records, *_ = sky.get(
+            sky.jobs.queue_v2(
+                refresh=False,
+                all_users=True,
+                skip_finished=True,
+                fields=["job_id", "job_name", "status", "recovery_count", "labels"],
+            )
+        )
+        parts.append(
+            "--- unfinished managed jobs\n"
+            + "\n".join(
+                f"{r['job_id']} {r['job_name']} {ManagedJobs.status_of(r)} recoveries={r['recovery_count']} {r.get('labels')}"
+                for r in records
+            )
+        )
     except Exception as e:  # noqa: BLE001
         parts.append(f"--- managed jobs: {e!r}")
     try:
@@ -443,8 +466,13 @@ def bed_state(bed: Testbed) -> str:
     try:
         # The requests not finished (the server's own daemons left out): what holds its workers.
         requests = [r for r in sky.api_status() if not r.request_id.endswith("-daemon")]
-        parts.append("--- API server requests not finished\n" + "\n".join(
-            f"{r.request_id[:8]} {r.name} {r.schedule_type} {r.status} cluster={r.cluster_name} created={r.created_at:.0f}" for r in requests))  # fmt: skip
+        parts.append(
+            "--- API server requests not finished\n"
+            + "\n".join(
+                f"{r.request_id[:8]} {r.name} {r.schedule_type} {r.status} cluster={r.cluster_name} created={r.created_at:.0f}"
+                for r in requests
+            )
+        )
     except Exception as e:  # noqa: BLE001
         parts.append(f"--- API server requests: {e!r}")
     parts.append(f"--- {bed.server_log} (tail)\n{bed.server_log_tail()}")
@@ -489,8 +517,9 @@ def transit(s3_server):
 
     name = f"bed-{uuid.uuid4().hex[:10]}"
     secret = f"bed-secret-{uuid.uuid4().hex}"
-    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1", aws_access_key_id="bed-key",
-                 aws_secret_access_key=secret).create_bucket(Bucket=name)  # fmt: skip
+    boto3.client(
+        "s3", endpoint_url=s3_server, region_name="us-east-1", aws_access_key_id="bed-key", aws_secret_access_key=secret
+    ).create_bucket(Bucket=name)
     return TransitBucketResource(
         kind="s3", bucket=name, endpoint_url=s3_server, access_key_id="bed-key", secret_access_key=secret
     )

@@ -29,13 +29,24 @@ def test_a_preempted_caption_job_resumes_its_shard_at_its_last_part(testbed, tra
     bucket = transit.get_bucket()
     defs = dg.Definitions(
         assets=[dataset_shards, caption_shards],
-        resources={"transit": transit, "skypilot": _resource(testbed, transit), "io_manager": TransitIOManager(transit=transit)},
-    )  # fmt: skip
+        resources={
+            "transit": transit,
+            "skypilot": _resource(testbed, transit),
+            "io_manager": TransitIOManager(transit=transit),
+        },
+    )
     job = defs.resolve_implicit_global_asset_job_def()
     instance = dg.DagsterInstance.ephemeral()
-    dataset = {"ops": {"dataset_shards": {"config": {"name": "preempted-captions", "num_images": IMAGES, "shard_size": IMAGES,
-                                                     "image_size": 16}}}}  # fmt: skip
-    assert job.execute_in_process(instance=instance, asset_selection=[dg.AssetKey("dataset_shards")], run_config=dataset).success
+    dataset = {
+        "ops": {
+            "dataset_shards": {
+                "config": {"name": "preempted-captions", "num_images": IMAGES, "shard_size": IMAGES, "image_size": 16}
+            }
+        }
+    }
+    assert job.execute_in_process(
+        instance=instance, asset_selection=[dg.AssetKey("dataset_shards")], run_config=dataset
+    ).success
     (shard,) = instance.get_dynamic_partitions("shards")
 
     def preempt_after_first_part() -> dict | None:
@@ -51,15 +62,25 @@ def test_a_preempted_caption_job_resumes_its_shard_at_its_last_part(testbed, tra
     env = {"IMAGES_PER_PART": str(PER_PART), "WORKLOAD_THROTTLE_S": "4"}
     with Preempter(preempt_after_first_part, within_s=600) as preempter:
         result = job.execute_in_process(
-            instance=instance, asset_selection=[dg.AssetKey("caption_shards")], raise_on_error=False, partition_key=shard,
-            run_config={"ops": {"caption_shards": {"config": {"shards_per_job": 1, "max_workers": 1, "max_attempts": 2, "env": env}}}},
-        )  # fmt: skip
+            instance=instance,
+            asset_selection=[dg.AssetKey("caption_shards")],
+            raise_on_error=False,
+            partition_key=shard,
+            run_config={
+                "ops": {
+                    "caption_shards": {"config": {"shards_per_job": 1, "max_workers": 1, "max_attempts": 2, "env": env}}
+                }
+            },
+        )
     logs = _logs(instance, result.run_id)
     preempted = preempter.result
-    assert preempted, f"the shard was captioned before its job could be preempted ({preempter.why_not()}):\n" + "\n".join(logs[-40:])
+    assert preempted, (
+        f"the shard was captioned before its job could be preempted ({preempter.why_not()}):\n" + "\n".join(logs[-40:])
+    )
     assert result.success, "\n".join(logs[-60:])
-    record = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=dg.AssetKey("caption_shards"), asset_partitions=[shard]),
-                                             limit=1).records[0]  # fmt: skip
+    record = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey("caption_shards"), asset_partitions=[shard]), limit=1
+    ).records[0]
     md = {k: v.value for k, v in record.event_log_entry.asset_materialization.metadata.items()}
     # The next wave resumed the shard at its parts: every image captioned once, none twice.
     assert any(f"shard {shard}: resuming," in line for line in logs), logs[-40:]

@@ -47,7 +47,9 @@ def _probe_asset(name: str = "probe"):
     def probe(
         context: dg.AssetExecutionContext, config: LaunchConfig, skypilot: PipesSkyPilotClient
     ) -> dg.MaterializeResult:
-        return skypilot.run(context=context, request=skypilot.request(context, "caption", config=config)).get_materialize_result()
+        return skypilot.run(
+            context=context, request=skypilot.request(context, "caption", config=config)
+        ).get_materialize_result()
 
     return probe
 
@@ -67,23 +69,35 @@ def test_caption_shards_run_as_one_batch_on_a_warm_pool_on_slurm(testbed, transi
 
     defs = dg.Definitions(
         assets=[dataset_shards, caption_shards],
-        resources={"transit": transit, "skypilot": _resource(testbed, transit), "io_manager": TransitIOManager(transit=transit)},
-    )  # fmt: skip
+        resources={
+            "transit": transit,
+            "skypilot": _resource(testbed, transit),
+            "io_manager": TransitIOManager(transit=transit),
+        },
+    )
     job = defs.resolve_implicit_global_asset_job_def()
     with dg.instance_for_test() as instance:
         dataset = {"ops": {"dataset_shards": {"config": {"num_images": 6, "shard_size": 3, "image_size": 16}}}}
-        assert job.execute_in_process(instance=instance, asset_selection=[dg.AssetKey("dataset_shards")], run_config=dataset).success
+        assert job.execute_in_process(
+            instance=instance, asset_selection=[dg.AssetKey("dataset_shards")], run_config=dataset
+        ).success
         shards = list(instance.get_dynamic_partitions("shards"))
         result = job.execute_in_process(
-            instance=instance, asset_selection=[dg.AssetKey("caption_shards")], raise_on_error=False,
+            instance=instance,
+            asset_selection=[dg.AssetKey("caption_shards")],
+            raise_on_error=False,
             tags={"dagster/asset_partition_range_start": shards[0], "dagster/asset_partition_range_end": shards[-1]},
             run_config={"ops": {"caption_shards": {"config": {"shards_per_job": 1}}}},
-        )  # fmt: skip
+        )
         logs = _logs(instance, result.run_id)
         assert result.success, logs[-40:]
         assert instance.get_materialized_partitions(dg.AssetKey("caption_shards")) == set(shards)
-        records = [instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=dg.AssetKey("caption_shards"),
-                                                   asset_partitions=[s]), limit=1).records[0] for s in shards]  # fmt: skip
+        records = [
+            instance.fetch_materializations(
+                dg.AssetRecordsFilter(asset_key=dg.AssetKey("caption_shards"), asset_partitions=[s]), limit=1
+            ).records[0]
+            for s in shards
+        ]
     mds = [{k: v.value for k, v in r.event_log_entry.asset_materialization.metadata.items()} for r in records]
     assert [md["images_captioned"] for md in mds] == [3, 3]  # reported by the jobs themselves, through Pipes over S3
     assert {md["pool"] for md in mds} == {"onprem"} and all("gpudoor-bed" in md["infra"] for md in mds)
@@ -91,7 +105,10 @@ def test_caption_shards_run_as_one_batch_on_a_warm_pool_on_slurm(testbed, transi
     assert done_shards(transit.get_bucket(), "color-shape-v1") == set(shards)
     for md in mds:
         managed = managed_record(int(md["job_id"]))  # a pool's jobs carry no labels in the queue: the pool's task does
-        assert managed.status.value == "SUCCEEDED" and managed.pool == md["worker_pool"] == f"gpudoor-caption-{result.run_id[:8]}"
+        assert (
+            managed.status.value == "SUCCEEDED"
+            and managed.pool == md["worker_pool"] == f"gpudoor-caption-{result.run_id[:8]}"
+        )
     assert any(f"shard {shards[0]}: done, 3 captioned" in line for line in logs), logs[-40:]
     # The pool was given back when the run ended (pool_down returns while the workers shut down).
     left = [p for p in sky.get(sky.jobs.pool_status(None)) if p["name"] == f"gpudoor-caption-{result.run_id[:8]}"]
@@ -116,8 +133,12 @@ def test_two_shards_side_by_side_land_on_two_pools_with_env_labels_and_no_secret
     started = time.time()
 
     def materialize(key: str, instance) -> None:
-        results[key] = dg.materialize([_probe_asset(key)], resources={"skypilot": _resource(testbed, transit, specs)},
-                                      instance=instance, raise_on_error=False)  # fmt: skip
+        results[key] = dg.materialize(
+            [_probe_asset(key)],
+            resources={"skypilot": _resource(testbed, transit, specs)},
+            instance=instance,
+            raise_on_error=False,
+        )
 
     # Two runs at once in one process: an instance without instance settings, whose runs never call
     # logging.config.dictConfig (with settings, each new run does, and it can deadlock with the other
@@ -130,7 +151,9 @@ def test_two_shards_side_by_side_land_on_two_pools_with_env_labels_and_no_secret
 
         deadline = time.time() + 180
         while time.time() < deadline:
-            records, *_ = sky.get(sky.jobs.queue_v2(refresh=False, skip_finished=True, all_users=True, fields=["job_id", "labels"]))
+            records, *_ = sky.get(
+                sky.jobs.queue_v2(refresh=False, skip_finished=True, all_users=True, fields=["job_id", "labels"])
+            )
             queued = [r for r in records if (r.labels or {}).get("dagster-asset") == "shard_a"]
             if queued:
                 break
@@ -144,9 +167,7 @@ def test_two_shards_side_by_side_land_on_two_pools_with_env_labels_and_no_secret
         logs = _logs(instance, a.run_id) + _logs(instance, b.run_id)
     assert md_a["pool"].value == "onprem" and md_b["pool"].value == "inference"
     assert md_a["infra"].value != md_b["infra"].value
-    assert "onprem cache=/tmp/gpudoor-bed/onprem/cache" in " ".join(logs) and "pool=inference" in " ".join(
-        logs
-    )
+    assert "onprem cache=/tmp/gpudoor-bed/onprem/cache" in " ".join(logs) and "pool=inference" in " ".join(logs)
     # The secret reached the job (SkyPilot secrets) but never the Dagster log or metadata.
     secret = transit.secret_access_key
     assert any(line.endswith("secret=****") for line in logs)
@@ -175,7 +196,11 @@ def test_server_policy_rejects_before_anything_is_submitted(testbed, transit):
 
     config = {
         "name": "past-the-door",
-        "resources": {"accelerators": "L4:1", "infra": testbed.infra_onprem, "labels": {"gpudoor-cost-owner": "marketing"}},
+        "resources": {
+            "accelerators": "L4:1",
+            "infra": testbed.infra_onprem,
+            "labels": {"gpudoor-cost-owner": "marketing"},
+        },
         "envs": {"DATA_DIR": "/mnt/data"},
         "run": "echo should-not-run",
     }

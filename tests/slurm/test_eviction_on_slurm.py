@@ -28,10 +28,13 @@ def test_a_job_evicted_from_inference_moves_to_the_pool_its_recover_to_names(tes
     # On inference the job waits to be evicted (it marks that it runs: the bed's nodes are this machine); it
     # can end only where it moved to.
     marker = Path(f"/tmp/gpudoor-bed/markers/evicted-{uuid.uuid4().hex[:8]}")
-    run = (f"echo attempt on $GPUDOOR_POOL cache=$LOCAL_CACHE_DIR; if [ $GPUDOOR_POOL = inference ]; then "
-           f"mkdir -p {marker.parent}; touch {marker}; sleep 600; fi; echo finished on $GPUDOOR_POOL")
-    (specs / "caption.yaml").write_text(yaml.safe_dump({"name": "bed-evicted", "resources": {"accelerators": {"L4": 1, "H200": 1}},
-                                                        "run": run}))  # fmt: skip
+    run = (
+        f"echo attempt on $GPUDOOR_POOL cache=$LOCAL_CACHE_DIR; if [ $GPUDOOR_POOL = inference ]; then "
+        f"mkdir -p {marker.parent}; touch {marker}; sleep 600; fi; echo finished on $GPUDOOR_POOL"
+    )
+    (specs / "caption.yaml").write_text(
+        yaml.safe_dump({"name": "bed-evicted", "resources": {"accelerators": {"L4": 1, "H200": 1}}, "run": run})
+    )
 
     @dg.asset
     def evicted(context: dg.AssetExecutionContext, skypilot: PipesSkyPilotClient) -> dg.MaterializeResult:
@@ -52,8 +55,12 @@ def test_a_job_evicted_from_inference_moves_to_the_pool_its_recover_to_names(tes
         return {"job_id": job_id, "allocation": allocation["name"]}
 
     with Preempter(evict_once_running, within_s=600) as evictor:
-        result = dg.materialize([evicted], instance=instance, resources={"skypilot": _resource(testbed, transit, specs)},
-                                raise_on_error=False)  # fmt: skip
+        result = dg.materialize(
+            [evicted],
+            instance=instance,
+            resources={"skypilot": _resource(testbed, transit, specs)},
+            raise_on_error=False,
+        )
     logs = _logs(instance, result.run_id)
     evicted_job = evictor.result
     assert evicted_job, f"the job ended before it could be evicted ({evictor.why_not()}):\n" + "\n".join(logs[-40:])
@@ -64,7 +71,9 @@ def test_a_job_evicted_from_inference_moves_to_the_pool_its_recover_to_names(tes
     assert md["pool"] == "spare" and md["job_id"] != old and md["status"] == "SUCCEEDED" and md["recoveries"] >= 1
     assert any(line.endswith("finished on spare") for line in logs), logs[-30:]
     assert not any(line.endswith("finished on inference") for line in logs)
-    assert any(line.startswith(f"Job {old} was evicted from pool 'inference': launched again on pool 'spare'") for line in logs)
+    assert any(
+        line.startswith(f"Job {old} was evicted from pool 'inference': launched again on pool 'spare'") for line in logs
+    )
     assert managed_record(int(old)).status.value == "CANCELLED"
     assert instance.get_run_by_id(result.run_id).tags[f"gpudoor/released-job-{old}"].startswith("confirmed in")
     # Nothing stays held: the evicted allocation and the new job's are gone.

@@ -58,7 +58,11 @@ def _one_node_train_spec(tmp_path: Path) -> Path:
 
 
 def _checkpoints(bucket, prefix: str) -> list[int]:
-    return sorted(int(m.group(1)) for key in bucket.list_keys(prefix + "/") if (m := re.search(r"/step-(\d+)/_manifest\.json$", key)))
+    return sorted(
+        int(m.group(1))
+        for key in bucket.list_keys(prefix + "/")
+        if (m := re.search(r"/step-(\d+)/_manifest\.json$", key))
+    )
 
 
 def _controller_log(job_id: int) -> str:
@@ -75,14 +79,24 @@ def test_a_preempted_training_resumes_from_its_last_checkpoint_and_says_what_it_
     name = f"preempt-{uuid.uuid4().hex[:8]}"
     dataset_uri = _dataset(bucket, f"datasets/{name}")
     output = f"checkpoints/{name}"
-    client = PipesSkyPilotClient(backend="skypilot", api_server_endpoint=testbed.api_endpoint, fleet_file=str(BED_FLEET),
-                                 specs_dir=str(_one_node_train_spec(tmp_path)), poll_interval_s=2.0, transit=transit)  # fmt: skip
+    client = PipesSkyPilotClient(
+        backend="skypilot",
+        api_server_endpoint=testbed.api_endpoint,
+        fleet_file=str(BED_FLEET),
+        specs_dir=str(_one_node_train_spec(tmp_path)),
+        poll_interval_s=2.0,
+        transit=transit,
+    )
 
     @dg.asset(name="preempted_training")
     def training(context: dg.AssetExecutionContext, skypilot: PipesSkyPilotClient) -> dg.MaterializeResult:
         env = {"MAX_STEPS": str(MAX_STEPS), "CHECKPOINT_EVERY": str(CHECKPOINT_EVERY), "WORKLOAD_THROTTLE_S": "1.0"}
-        request = skypilot.request(context, "train", inputs={"DATASET_URI": dataset_uri, "OUTPUT_URI": bucket.uri(output)},
-                                   config=LaunchConfig(env=env))  # fmt: skip
+        request = skypilot.request(
+            context,
+            "train",
+            inputs={"DATASET_URI": dataset_uri, "OUTPUT_URI": bucket.uri(output)},
+            config=LaunchConfig(env=env),
+        )
         return skypilot.run(context=context, request=request).get_materialize_result()
 
     instance = dg.DagsterInstance.ephemeral()
@@ -103,7 +117,9 @@ def test_a_preempted_training_resumes_from_its_last_checkpoint_and_says_what_it_
         result = dg.materialize([training], instance=instance, resources={"skypilot": client}, raise_on_error=False)
     logs = [e.user_message for e in instance.all_logs(result.run_id)]
     preempted = preempter.result
-    assert preempted, f"the training ended before it could be preempted ({preempter.why_not()}):\n" + "\n".join(logs[-40:])
+    assert preempted, f"the training ended before it could be preempted ({preempter.why_not()}):\n" + "\n".join(
+        logs[-40:]
+    )
     assert result.success, "\n".join(logs[-60:])
     md = {k: v.value for k, v in result.asset_materializations_for_node("preempted_training")[0].metadata.items()}
 
@@ -120,9 +136,13 @@ def test_a_preempted_training_resumes_from_its_last_checkpoint_and_says_what_it_
     # SkyPilot's recovery (FAILOVER: first the region the job ran in) went back onto the job's pool at once;
     # the fleet's admin policy did not refuse it (each refusal costs a minute or more of backoff).
     controller_log = _controller_log(int(preempted["job_id"]))
-    assert "Recovering" in controller_log and "UserRequestRejectedByPolicy" not in controller_log, controller_log[-3000:]
-    print(f"preempted at checkpoint {preempted['saved']}; resumed from {md['resumed_from_step']}; "
-          f"{md['gpu_hours_lost_to_preemption'] * 3600:.0f} GPU-s lost of {md['gpu_hours_held'] * 3600:.0f} held, goodput {md['goodput']}")  # fmt: skip
+    assert "Recovering" in controller_log and "UserRequestRejectedByPolicy" not in controller_log, controller_log[
+        -3000:
+    ]
+    print(
+        f"preempted at checkpoint {preempted['saved']}; resumed from {md['resumed_from_step']}; "
+        f"{md['gpu_hours_lost_to_preemption'] * 3600:.0f} GPU-s lost of {md['gpu_hours_held'] * 3600:.0f} held, goodput {md['goodput']}"
+    )
     # Nothing stays held: the job's Slurm allocations (the preempted one and the recovery's) are gone.
     deadline = time.monotonic() + 180
     while any(j["name"] == preempted["allocation"] for j in squeue()) and time.monotonic() < deadline:

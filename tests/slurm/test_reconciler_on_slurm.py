@@ -46,8 +46,14 @@ def _client(testbed, transit, tmp_path: Path, specs: Path, **reconciler) -> Pipe
     fleet["reconciler"] = {"grace_minutes": 0, **reconciler}
     path = tmp_path / f"fleet-{len(reconciler)}.yaml"
     path.write_text(yaml.safe_dump(fleet))
-    return PipesSkyPilotClient(backend="skypilot", api_server_endpoint=testbed.api_endpoint, fleet_file=str(path),
-                               specs_dir=str(specs), poll_interval_s=2.0, transit=transit)  # fmt: skip
+    return PipesSkyPilotClient(
+        backend="skypilot",
+        api_server_endpoint=testbed.api_endpoint,
+        fleet_file=str(path),
+        specs_dir=str(specs),
+        poll_interval_s=2.0,
+        transit=transit,
+    )
 
 
 class _Worker:
@@ -55,7 +61,8 @@ class _Worker:
 
     def __init__(self, testbed, transit, specs: Path, tmp_path: Path, name: str) -> None:
         script = tmp_path / f"{name}.py"
-        script.write_text(textwrap.dedent(f"""
+        script.write_text(
+            textwrap.dedent(f"""
             import dagster as dg
             from pathlib import Path
             from tests.slurm.test_client_on_slurm import _probe_asset, _resource
@@ -67,9 +74,16 @@ class _Worker:
             dg.materialize([_probe_asset({name!r})], instance=dg.DagsterInstance.get(),
                            run_config={{"ops": {{{name!r}: {{"config": {{"pool": "h200"}}}}}}}},
                            resources={{"skypilot": _resource(Bed, transit, Path({str(specs)!r}))}})
-        """))  # fmt: skip
-        self.proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})  # fmt: skip
+        """)
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script)],
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        )
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
         self.reader.start()
@@ -87,7 +101,9 @@ class _Worker:
         return self.text.split("Submitted job ")[1].split(".")[0]
 
 
-def test_a_terminated_run_and_a_killed_run_worker_leave_no_gpu_held(testbed, transit, tmp_path, slurm_queue, monkeypatch):
+def test_a_terminated_run_and_a_killed_run_worker_leave_no_gpu_held(
+    testbed, transit, tmp_path, slurm_queue, monkeypatch
+):
     # This test's jobs are its own deployment's: the reconciler leaves any other job on the shared bed alone.
     monkeypatch.setenv("GPUDOOR_DEPLOYMENT", f"reconcile-test-{os.getpid()}")
     specs = _spec_dir(tmp_path, "echo bed-long-job-started; sleep 600")
@@ -115,7 +131,9 @@ def test_a_terminated_run_and_a_killed_run_worker_leave_no_gpu_held(testbed, tra
         known_dead = time.monotonic()
 
         # Dry run: says what it would release, and releases nothing.
-        with dg.build_sensor_context(instance=instance, resources={"skypilot": _client(testbed, transit, tmp_path, specs, dry_run=True)}) as context:
+        with dg.build_sensor_context(
+            instance=instance, resources={"skypilot": _client(testbed, transit, tmp_path, specs, dry_run=True)}
+        ) as context:
             dry = orphan_reconciler(context)
         assert not dry.run_requests and f"job {killed.job_id}" in dry.skip_reason.skip_message
         assert f"job {terminated.job_id}" not in dry.skip_reason.skip_message
@@ -126,8 +144,9 @@ def test_a_terminated_run_and_a_killed_run_worker_leave_no_gpu_held(testbed, tra
             (run_request,) = orphan_reconciler(context).run_requests
         releases = run_request.run_config["ops"]["release_held_gpus"]["config"]["releases"]
         assert {r["id"] for r in releases} == {killed.job_id}  # not the live run's job, nor other deployments'
-        result = release_held_gpus_job.execute_in_process(run_config=run_request.run_config, instance=instance,
-                                                          resources={"skypilot": client}, tags=run_request.tags)  # fmt: skip
+        result = release_held_gpus_job.execute_in_process(
+            run_config=run_request.run_config, instance=instance, resources={"skypilot": client}, tags=run_request.tags
+        )
         assert result.success
         (record,) = result.output_for_node("release_held_gpus")
         assert record["confirmed"] and record["seen"][0] == f"job {killed.job_id}: CANCELLED"
@@ -137,7 +156,11 @@ def test_a_terminated_run_and_a_killed_run_worker_leave_no_gpu_held(testbed, tra
         assert not _allocated(orphan), slurm_queue()
         assert released_s < RELEASE_BOUND_S
         print(f"the killed worker's GPU free on Slurm {released_s:.0f} s after its run was marked failed")
-        assert instance.get_run_by_id(runs["killed"].run_id).tags[f"gpudoor/released-job-{killed.job_id}"].startswith("confirmed in")
+        assert (
+            instance.get_run_by_id(runs["killed"].run_id)
+            .tags[f"gpudoor/released-job-{killed.job_id}"]
+            .startswith("confirmed in")
+        )
 
         # The live run's job ran on; now its run is terminated: the step cancels it and verifies the release.
         assert managed_record(int(terminated.job_id)).status.value == "RUNNING"

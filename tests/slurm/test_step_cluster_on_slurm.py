@@ -33,9 +33,13 @@ def test_a_smoke_step_runs_on_a_cluster_of_its_own_relaunched_after_a_preemption
     # The first attempt marks that it runs (the bed's nodes are this machine) and waits to be preempted; the
     # attempt after the relaunch finds the mark and ends.
     marker = Path(f"/tmp/gpudoor-bed/markers/smoke-{uuid.uuid4().hex[:8]}")
-    run = (f"echo smoke on $GPUDOOR_POOL; echo smoke attempt started; if [ ! -e {marker} ]; then mkdir -p {marker.parent}; "
-           f"touch {marker}; sleep 600; fi; echo smoke done")
-    (specs / "smoke.yaml").write_text(yaml.safe_dump({"name": "bed-smoke", "resources": {"accelerators": "H200:1"}, "run": run}))
+    run = (
+        f"echo smoke on $GPUDOOR_POOL; echo smoke attempt started; if [ ! -e {marker} ]; then mkdir -p {marker.parent}; "
+        f"touch {marker}; sleep 600; fi; echo smoke done"
+    )
+    (specs / "smoke.yaml").write_text(
+        yaml.safe_dump({"name": "bed-smoke", "resources": {"accelerators": "H200:1"}, "run": run})
+    )
 
     @dg.asset
     def preempted_smoke(context: dg.AssetExecutionContext, skypilot: PipesSkyPilotClient) -> dg.MaterializeResult:
@@ -51,10 +55,16 @@ def test_a_smoke_step_runs_on_a_cluster_of_its_own_relaunched_after_a_preemption
         return {"allocation": allocations[0]["name"]}
 
     with Preempter(preempt_once_running, within_s=400) as preempter:
-        result = dg.materialize([preempted_smoke], instance=instance, resources={"skypilot": _resource(testbed, transit, specs)},
-                                raise_on_error=False)  # fmt: skip
+        result = dg.materialize(
+            [preempted_smoke],
+            instance=instance,
+            resources={"skypilot": _resource(testbed, transit, specs)},
+            raise_on_error=False,
+        )
     logs = _logs(instance, result.run_id)
-    assert preempter.result, f"the step ended before its cluster could be preempted ({preempter.why_not()}):\n" + "\n".join(logs[-40:])
+    assert preempter.result, (
+        f"the step ended before its cluster could be preempted ({preempter.why_not()}):\n" + "\n".join(logs[-40:])
+    )
     assert result.success, "\n".join(logs[-60:])
     md = {k: v.value for k, v in result.asset_materializations_for_node("preempted_smoke")[0].metadata.items()}
     cluster = md["job_id"].split("/")[0]
@@ -65,7 +75,9 @@ def test_a_smoke_step_runs_on_a_cluster_of_its_own_relaunched_after_a_preemption
     # The attempt after the relaunch ran to its end: "smoke done" only follows the mark the first attempt left
     # (which then waited to be preempted). The first attempt's own lines may not have been streamed before its
     # allocation went.
-    assert any(line.endswith("smoke attempt started") for line in logs) and any(line.endswith("smoke done") for line in logs)
+    assert any(line.endswith("smoke attempt started") for line in logs) and any(
+        line.endswith("smoke done") for line in logs
+    )
     assert any("was preempted 1 time(s) and recovered" in line for line in logs)
     # No managed job was launched for it; its cluster is torn down (asked for when the job ended) and its
     # Slurm allocations with it.

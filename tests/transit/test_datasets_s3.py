@@ -165,10 +165,7 @@ def test_s3_access_denied(s3_server, s3_bucket_name):
 
 def _write_caption_shard(bucket: TransitBucket, shard: str, images: list[str]) -> None:
     prefix = captions_prefix(MODEL, shard)
-    rows = [
-        (uri, uri.rsplit("/", 1)[1][:-4], None if i == 0 else f"caption of {uri}")
-        for i, uri in enumerate(images)
-    ]
+    rows = [(uri, uri.rsplit("/", 1)[1][:-4], None if i == 0 else f"caption of {uri}") for i, uri in enumerate(images)]
     table = pa.table(
         {
             "image_uri": [r[0] for r in rows],
@@ -197,9 +194,7 @@ def test_register_and_merge_on_an_s3_transit_bucket(s3_bucket: S3TransitBucket, 
     assert again.new_shards == [] and again.shards == reg.shards
 
     for shard in reg.shards[:2]:  # the third is still being captioned
-        _write_caption_shard(
-            s3_bucket, shard, s3_bucket.read_manifest(shard_prefix("synthetic", shard))["images"]
-        )
+        _write_caption_shard(s3_bucket, shard, s3_bucket.read_manifest(shard_prefix("synthetic", shard))["images"])
     assert done_shards(s3_bucket, MODEL) == set(reg.shards[:2])
 
     result = merge_captions(s3_bucket, MODEL, reg.shards, "datasets/synthetic/captioned")

@@ -251,9 +251,7 @@ def test_publish_killed_writer_leaves_no_manifest_and_no_partial_object(request,
     if isinstance(transit_bucket, S3TransitBucket):
         # the parts are stored but invisible; a bucket lifecycle rule (AbortIncompleteMultipartUpload)
         # removes them, and the test bucket's teardown aborts them
-        uploads = transit_bucket.client.list_multipart_uploads(Bucket=transit_bucket.bucket).get(
-            "Uploads", []
-        )
+        uploads = transit_bucket.client.list_multipart_uploads(Bucket=transit_bucket.bucket).get("Uploads", [])
         assert [u["Key"] for u in uploads] == ["transit/out/big.bin"]
     else:  # the half-written temp file is on disk, under a name listings skip
         assert any(p.name.startswith(TMP_PREFIX) for p in (transit_bucket.root / "out").iterdir())
@@ -272,9 +270,7 @@ assert "dagster_aws" not in sys.modules, "importing pipes imported dagster_aws (
 
 
 def test_storage_layer_and_workloads_import_without_dagster():
-    out = subprocess.run(
-        [sys.executable, "-c", _IMPORTS], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
+    out = subprocess.run([sys.executable, "-c", _IMPORTS], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
 
 

@@ -67,9 +67,7 @@ def test_dataframe_assets_round_trip(transit_resource: TransitBucketResource):
     iom = TransitIOManager(transit=transit_resource)
     assert iom.uri_for("team/frames") == uri
     assert iom.uri_for(dg.AssetKey(["team", "frames"])) == uri
-    assert iom.uri_for(["team", "frames"], "2024-01-01") == bucket.uri(
-        "assets/team/frames/2024-01-01.parquet"
-    )
+    assert iom.uri_for(["team", "frames"], "2024-01-01") == bucket.uri("assets/team/frames/2024-01-01.parquet")
     assert iom.uri_for(["x"]) == bucket.uri("assets/x/__all__.parquet")
 
 
@@ -253,9 +251,7 @@ def test_missing_upstream_is_a_clear_error(transit_resource: TransitBucketResour
         raise_on_error=False,
     )
     assert not r.success
-    err = [e for e in r.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE][
-        0
-    ].step_failure_data.error
+    err = [e for e in r.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE][0].step_failure_data.error
     text = ""
     while err is not None:
         text += err.message + "\n"
@@ -276,10 +272,7 @@ def test_resource_local_default_root(monkeypatch, tmp_path):
     assert res.get_bucket() is b  # cached per resource instance
     monkeypatch.delenv("GPUDOOR_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "userhome"))
-    assert (
-        TransitBucketResource().get_bucket().root
-        == (tmp_path / "userhome" / ".gpudoor" / "transit").resolve()
-    )
+    assert TransitBucketResource().get_bucket().root == (tmp_path / "userhome" / ".gpudoor" / "transit").resolve()
 
 
 def test_resource_invalid_settings():
@@ -302,10 +295,7 @@ def test_bucket_from_env_binds_secrets_as_env_vars(monkeypatch, s3_server="http:
     monkeypatch.setenv("GPUDOOR_S3_ACCESS_KEY_ID", "env-key-id")
     monkeypatch.setenv("GPUDOOR_S3_SECRET_ACCESS_KEY", "env-secret-value")
     res = bucket_from_env()
-    assert (
-        isinstance(res.access_key_id, dg.EnvVar)
-        and res.access_key_id.env_var_name == "GPUDOOR_S3_ACCESS_KEY_ID"
-    )
+    assert isinstance(res.access_key_id, dg.EnvVar) and res.access_key_id.env_var_name == "GPUDOOR_S3_ACCESS_KEY_ID"
     assert isinstance(res.secret_access_key, dg.EnvVar)
     shown = repr(res) + str(res)
     assert "env-secret-value" not in shown and "env-key-id" not in shown

@@ -110,21 +110,41 @@ with open_reporting() as pipes:
 
 @pytest.mark.s3
 def test_messages_of_a_job_recovered_after_preemption_all_arrive(s3_server, s3_bucket_name):
-    transit = TransitBucketResource(kind="s3", bucket=s3_bucket_name, prefix="transit", endpoint_url=s3_server,
-                                    region=TEST_REGION, access_key_id=TEST_KEY_ID, secret_access_key=TEST_SECRET)  # fmt: skip
+    transit = TransitBucketResource(
+        kind="s3",
+        bucket=s3_bucket_name,
+        prefix="transit",
+        endpoint_url=s3_server,
+        region=TEST_REGION,
+        access_key_id=TEST_KEY_ID,
+        secret_access_key=TEST_SECRET,
+    )
     received = []
 
     @dg.asset
     def recovered(context: dg.AssetExecutionContext):
         bucket = transit.get_bucket()
-        with dg.open_pipes_session(context=context, context_injector=pipes_context_injector(bucket),
-                                   message_reader=pipes_message_reader(bucket, interval=0.5)) as session:  # fmt: skip
+        with dg.open_pipes_session(
+            context=context,
+            context_injector=pipes_context_injector(bucket),
+            message_reader=pipes_message_reader(bucket, interval=0.5),
+        ) as session:
             clean = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "DAGSTER_PIPES"))}
-            env = {**clean, **bucket.job_env(), **bucket.job_secrets(), **session.get_bootstrap_env_vars(),
-                   "PYTHONPATH": str(REPO_ROOT)}  # fmt: skip
+            env = {
+                **clean,
+                **bucket.job_env(),
+                **bucket.job_secrets(),
+                **session.get_bootstrap_env_vars(),
+                "PYTHONPATH": str(REPO_ROOT),
+            }
             for attempt in ("1", "2"):
-                proc = subprocess.run([sys.executable, "-c", RECOVERED_JOB], env={**env, "ATTEMPT": attempt},
-                                      capture_output=True, text=True, timeout=120)  # fmt: skip
+                proc = subprocess.run(
+                    [sys.executable, "-c", RECOVERED_JOB],
+                    env={**env, "ATTEMPT": attempt},
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
                 assert proc.returncode == (137 if attempt == "1" else 0), proc.stderr
         received.extend(session.get_custom_messages())
         return dg.MaterializeResult()

@@ -194,9 +194,7 @@ def test_wrong_secret_access_key(s3_server, s3_bucket_name):
     user = f"transit-{s3_bucket_name[-8:]}"
     iam.create_user(UserName=user)
     key = iam.create_access_key(UserName=user)["AccessKey"]
-    b = make_s3_bucket(
-        s3_server, s3_bucket_name, access_key_id=key["AccessKeyId"], secret_access_key="not-the-secret"
-    )
+    b = make_s3_bucket(s3_server, s3_bucket_name, access_key_id=key["AccessKeyId"], secret_access_key="not-the-secret")
     with moto_auth_enforced(s3_server):
         err = _fails_fast(b.check)
     msg = str(err)
@@ -338,7 +336,9 @@ def test_the_test_server_lists_like_s3_from_its_index(s3_server, s3_bucket_name)
     def listed(**kw: object) -> list[str]:
         keys, token = [], None
         while True:
-            page = client.list_objects_v2(Bucket=s3_bucket_name, MaxKeys=2, **kw, **({"ContinuationToken": token} if token else {}))
+            page = client.list_objects_v2(
+                Bucket=s3_bucket_name, MaxKeys=2, **kw, **({"ContinuationToken": token} if token else {})
+            )
             keys += [o["Key"] for o in page.get("Contents", ())]
             if not page.get("IsTruncated"):
                 return keys

@@ -99,9 +99,7 @@ def caption_runs(bucket: str, shard: tuple[str, dict], tmp_path_factory: pytest.
     other_output = storage.join(bucket, "captions", "shard-0001")
     shards_per_job = [[shard_entry(shard[0], output)], [shard_entry(other_shard, other_output)]]
     batch = storage.join(bucket, "batches", "night-2.json")
-    result, reruns, messages = run_caption_batch_under_pipes(
-        batch, shards_per_job, IMAGES_PER_PART=str(KILL_PART_SIZE)
-    )
+    result, reruns, messages = run_caption_batch_under_pipes(batch, shards_per_job, IMAGES_PER_PART=str(KILL_PART_SIZE))
     return {
         "output": output,
         "parts_before": parts_before,
@@ -117,9 +115,7 @@ def caption_runs(bucket: str, shard: tuple[str, dict], tmp_path_factory: pytest.
 @pytest.fixture(scope="session")
 def dataset(bucket: str, caption_runs: dict) -> str:
     """A Parquet data set (image_id, image_uri, caption) built from the captions of the shard."""
-    assert [p.returncode for p in caption_runs["reruns"]] == [0, 0], [
-        p.stderr for p in caption_runs["reruns"]
-    ]
+    assert [p.returncode for p in caption_runs["reruns"]] == [0, 0], [p.stderr for p in caption_runs["reruns"]]
     rows = read_parts(caption_runs["output"])
     uri = storage.join(bucket, "datasets", "captions.parquet")
     path = uri.removeprefix("file://")

@@ -149,9 +149,7 @@ def test_a_job_scores_each_of_its_checkpoints(eval_batch):
     assert log.count("held-out images from") == 1  # the data set is read once for both checkpoints
     assert "job 1/2: 2 done, 0 failed" in log
     # The orchestrator materializes each checkpoint from the messages: the job reports nothing else.
-    assert not {"report_asset_materialization", "report_asset_check"} & _pipes_methods(
-        eval_batch["message_files"][0]
-    )
+    assert not {"report_asset_materialization", "report_asset_check"} & _pipes_methods(eval_batch["message_files"][0])
 
 
 def test_batch_metrics_are_those_of_a_single_evaluation(eval_batch):

@@ -18,9 +18,7 @@ from gpudoor_pipelines.transit import uris as storage
 
 
 @pytest.fixture(scope="module")
-def server(
-    final_checkpoint: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Popen, int, Path]]:
+def server(final_checkpoint: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Popen, int, Path]]:
     """serve.py on a free port of 127.0.0.1: (process, port, log); SIGTERMed at the end if still up."""
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"

@@ -33,9 +33,7 @@ def _manifest(output: str, step: int) -> dict:
 
 
 def _steps(output: str) -> list[int]:
-    return sorted(
-        int(m.group(1)) for u in storage.list_uris(output) if (m := re.search(r"step-(\d+)/model\.pt$", u))
-    )
+    return sorted(int(m.group(1)) for u in storage.list_uris(output) if (m := re.search(r"step-(\d+)/model\.pt$", u)))
 
 
 def test_checkpoints_with_manifests_every_n_steps(train_runs, final_checkpoint):
@@ -61,9 +59,7 @@ def test_two_ranks_train_together(train_runs, final_checkpoint):
     for _rank, (_rc, log) in enumerate(train_runs["ranks"]):
         assert "joined process group of 2" in log
     # Only rank 0 writes checkpoints, so rank 1 never says it wrote one.
-    assert (
-        "checkpoint step" in train_runs["ranks"][0][1] and "checkpoint step" not in train_runs["ranks"][1][1]
-    )
+    assert "checkpoint step" in train_runs["ranks"][0][1] and "checkpoint step" not in train_runs["ranks"][1][1]
 
 
 def test_restart_when_already_done_exits_at_once(train_runs):
@@ -81,9 +77,7 @@ def test_smoke_test_mode(train_runs):
 
 
 def test_missing_node_ips_is_a_config_error(dataset, bucket):
-    proc = run_workload(
-        "train", DATASET_URI=dataset, OUTPUT_URI=storage.join(bucket, "x"), SKYPILOT_NUM_NODES="2"
-    )
+    proc = run_workload("train", DATASET_URI=dataset, OUTPUT_URI=storage.join(bucket, "x"), SKYPILOT_NUM_NODES="2")
     assert proc.returncode == 2
     assert "SKYPILOT_NODE_IPS" in proc.stderr
 

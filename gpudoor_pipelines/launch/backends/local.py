@@ -121,12 +121,19 @@ class LocalBackend(Backend):
                 envs["PORT"] = str(free_port())
         config["envs"] = envs
         (job_dir / TASK_FILE).write_text(
-            json.dumps({"name": job.name, "pool": job.pool, "config": config, "workdir": job.workdir,
-                        "cluster_name": job.cluster_name, "service": service, **extra})
-        )  # fmt: skip
-        write_state(
-            job_dir, state=JobState.PENDING.value, submitted_at=time.time(), name=job.name, pool=job.pool
+            json.dumps(
+                {
+                    "name": job.name,
+                    "pool": job.pool,
+                    "config": config,
+                    "workdir": job.workdir,
+                    "cluster_name": job.cluster_name,
+                    "service": service,
+                    **extra,
+                }
+            )
         )
+        write_state(job_dir, state=JobState.PENDING.value, submitted_at=time.time(), name=job.name, pool=job.pool)
         return job_id, job_dir
 
     def _start(self, args: list[str], job: ResolvedJob, log_path: Path) -> int:
@@ -186,9 +193,7 @@ class LocalBackend(Backend):
                 write_json(pool_dir / SUPERVISOR_FILE, pid=supervisor, exiting=False)
             stamp = time.time_ns()
             for rank in range(num_jobs):
-                job_id, job_dir = self._prepare(
-                    job, False, rank=rank, num_jobs=num_jobs, worker_pool=pool_name
-                )
+                job_id, job_dir = self._prepare(job, False, rank=rank, num_jobs=num_jobs, worker_pool=pool_name)
                 write_json(job_dir / RUNNER_FILE, pid=supervisor)
                 (pool_dir / QUEUE_DIR / f"{stamp:020d}-{rank:06d}").write_text(str(job_dir))
                 ids.append(job_id)
@@ -302,10 +307,7 @@ class LocalBackend(Backend):
         if group_alive(pgid):
             kill_group(pgid, signal.SIGKILL)
         state = read_state(job_dir)
-        if (
-            not JobState(state.get("state", "PENDING")).is_terminal
-            or state.get("state") == JobState.CANCELLING.value
-        ):
+        if not JobState(state.get("state", "PENDING")).is_terminal or state.get("state") == JobState.CANCELLING.value:
             write_state(job_dir, state=JobState.CANCELLED.value, ended_at=time.time())
 
     def usage(self) -> Usage:
@@ -360,13 +362,18 @@ class LocalBackend(Backend):
             now = time.time()
             out.append(
                 JobUsage.from_labels(
-                    resources.get("labels") or {}, pool=task.get("pool", "unknown"),
-                    job_id=job_dir.name, name=info.name or task.get("name", ""),
+                    resources.get("labels") or {},
+                    pool=task.get("pool", "unknown"),
+                    job_id=job_dir.name,
+                    name=info.name or task.get("name", ""),
                     gpus=gpus_per_node(resources.get("accelerators")) * nodes,
-                    started_at=info.started_at, ended_at=info.ended_at, state=info.state, recoveries=info.recoveries,
+                    started_at=info.started_at,
+                    ended_at=info.ended_at,
+                    state=info.state,
+                    recoveries=info.recoveries,
                     ran_s=((info.ended_at or now) - info.started_at) if info.started_at is not None else None,
                 )
-            )  # fmt: skip
+            )
         return out
 
     # ----------------------------------------------------------------- what is held, and its release
@@ -382,21 +389,45 @@ class LocalBackend(Backend):
             if info.state.is_terminal:
                 continue
             labels = (task.get("config", {}).get("resources") or {}).get("labels") or {}
-            out.append(Holding("job", job_dir.name, labels=dict(labels), since=info.submitted_at,
-                               state=info.state.value, name=info.name))  # fmt: skip
+            out.append(
+                Holding(
+                    "job",
+                    job_dir.name,
+                    labels=dict(labels),
+                    since=info.submitted_at,
+                    state=info.state.value,
+                    name=info.name,
+                )
+            )
         pools_root = self.home / "worker_pools"
         for pool_dir in sorted(pools_root.iterdir()) if pools_root.is_dir() else ():
             if self._supervisor(pool_dir) is None:
                 continue
             spec = read_json(pool_dir / POOL_FILE)
-            out.append(Holding("pool", pool_dir.name, labels=dict(spec.get("labels") or {}),
-                               since=spec.get("created_at"), state="READY", name=pool_dir.name))  # fmt: skip
+            out.append(
+                Holding(
+                    "pool",
+                    pool_dir.name,
+                    labels=dict(spec.get("labels") or {}),
+                    since=spec.get("created_at"),
+                    state="READY",
+                    name=pool_dir.name,
+                )
+            )
         for cluster, job_id in sorted(self.clusters().items()):
             state = read_state(self.job_dir(job_id))
             task = read_json(self.job_dir(job_id) / TASK_FILE)
             labels = (task.get("config", {}).get("resources") or {}).get("labels") or {}
-            out.append(Holding("cluster", cluster, labels=dict(labels), since=state.get("submitted_at"),
-                               state=state.get("state", ""), name=cluster))  # fmt: skip
+            out.append(
+                Holding(
+                    "cluster",
+                    cluster,
+                    labels=dict(labels),
+                    since=state.get("submitted_at"),
+                    state=state.get("state", ""),
+                    name=cluster,
+                )
+            )
         return out
 
     def release(self, holding: Holding) -> None:
@@ -423,14 +454,19 @@ class LocalBackend(Backend):
             base = super().check_released(holding)
             pgid = self._runner(holding.id).get("pgid")
             running = bool(pgid) and group_alive(int(pgid))
-            seen = (*base.seen, f"process group {pgid}: {'alive' if running else 'gone'}" if pgid else "no process group")
+            seen = (
+                *base.seen,
+                f"process group {pgid}: {'alive' if running else 'gone'}" if pgid else "no process group",
+            )
             return ReleaseCheck(base.released and not running, seen)
         if holding.kind == "pool":
             supervisor = read_json(self.pool_dir(holding.id) / SUPERVISOR_FILE).get("pid")
             groups = [self._runner(j).get("pgid") for j in self._pool_jobs(holding.id)]
             running = [g for g in groups if g and group_alive(int(g))]
             up = alive(supervisor)
-            seen = (f"pool {holding.id}: supervisor {supervisor} {'alive' if up else 'gone'}, {len(running)} ranks running",)
+            seen = (
+                f"pool {holding.id}: supervisor {supervisor} {'alive' if up else 'gone'}, {len(running)} ranks running",
+            )
             return ReleaseCheck(not up and not running, seen)
         if holding.kind == "cluster":
             job_id = self.clusters().get(holding.id)
@@ -497,5 +533,3 @@ class _LocalService(Service):
             if s.connect_ex(("127.0.0.1", local_port)) != 0:
                 return None
         return f"http://127.0.0.1:{local_port}"
-
-

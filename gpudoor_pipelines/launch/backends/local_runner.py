@@ -141,25 +141,31 @@ def main(job_dir_arg: str) -> int:
         write_state(job_dir, state=JobState.STARTING.value)
         setup = config.get("setup")
         if setup:
-            codes = _run_phase(
-                setup, [rank_env(r, "setup") for r in range(num_nodes)], task["workdir"], log, lock
-            )
+            codes = _run_phase(setup, [rank_env(r, "setup") for r in range(num_nodes)], task["workdir"], log, lock)
             if cancelled.is_set():
                 return 0
             if any(codes):
-                write_state(job_dir, state=JobState.FAILED_SETUP.value, ended_at=time.time(), exit_code=max(codes),
-                            detail=f"setup exited with {max(codes)}")  # fmt: skip
+                write_state(
+                    job_dir,
+                    state=JobState.FAILED_SETUP.value,
+                    ended_at=time.time(),
+                    exit_code=max(codes),
+                    detail=f"setup exited with {max(codes)}",
+                )
                 return 0
         write_state(job_dir, state=JobState.RUNNING.value, started_at=time.time())
-        codes = _run_phase(
-            config["run"], [rank_env(r, "run") for r in range(num_nodes)], task["workdir"], log, lock
-        )
+        codes = _run_phase(config["run"], [rank_env(r, "run") for r in range(num_nodes)], task["workdir"], log, lock)
         if cancelled.is_set():
             return 0
         failed = [c for c in codes if c]
         if failed:
-            write_state(job_dir, state=JobState.FAILED.value, ended_at=time.time(), exit_code=failed[0],
-                        detail=f"run exited with {failed[0]} (exit codes per rank: {codes})")  # fmt: skip
+            write_state(
+                job_dir,
+                state=JobState.FAILED.value,
+                ended_at=time.time(),
+                exit_code=failed[0],
+                detail=f"run exited with {failed[0]} (exit codes per rank: {codes})",
+            )
         else:
             write_state(job_dir, state=JobState.SUCCEEDED.value, ended_at=time.time(), exit_code=0)
     return 0
@@ -213,9 +219,7 @@ def pool_main(pool_dir_arg: str) -> int:
         if active or any((pool_dir / QUEUE_DIR).iterdir()):
             idle_since = time.monotonic()
             continue
-        if (pool_dir / RELEASED_FILE).exists() or time.monotonic() - idle_since > float(
-            spec.get("idle_timeout_s", 30)
-        ):
+        if (pool_dir / RELEASED_FILE).exists() or time.monotonic() - idle_since > float(spec.get("idle_timeout_s", 30)):
             with queue_lock(pool_dir):
                 if not any((pool_dir / QUEUE_DIR).iterdir()):
                     write_json(pool_dir / SUPERVISOR_FILE, pid=os.getpid(), exiting=True)
@@ -241,8 +245,13 @@ def _run_pooled(job_dir: Path, spec: dict, warm: bool, slot: int) -> bool:
             setup_env = {**env, "SKYPILOT_SETUP_NODE_RANK": "0", "SKYPILOT_SETUP_NODE_IPS": "127.0.0.1"}
             codes = _run_phase(spec["setup"], [setup_env], task["workdir"], log, log_lock)
             if any(codes):
-                write_state(job_dir, state=JobState.FAILED_SETUP.value, ended_at=time.time(), exit_code=max(codes),
-                            detail=f"the pool's setup exited with {max(codes)}")  # fmt: skip
+                write_state(
+                    job_dir,
+                    state=JobState.FAILED_SETUP.value,
+                    ended_at=time.time(),
+                    exit_code=max(codes),
+                    detail=f"the pool's setup exited with {max(codes)}",
+                )
                 return False
         proc = subprocess.Popen(
             ["bash", "-c", config["run"]],
@@ -260,8 +269,9 @@ def _run_pooled(job_dir: Path, spec: dict, warm: bool, slot: int) -> bool:
     if JobState(read_state(job_dir).get("state", "PENDING")) in (JobState.CANCELLING, JobState.CANCELLED):
         write_state(job_dir, state=JobState.CANCELLED.value, ended_at=time.time())
     elif code:
-        write_state(job_dir, state=JobState.FAILED.value, ended_at=time.time(), exit_code=code,
-                    detail=f"run exited with {code}")  # fmt: skip
+        write_state(
+            job_dir, state=JobState.FAILED.value, ended_at=time.time(), exit_code=code, detail=f"run exited with {code}"
+        )
     else:
         write_state(job_dir, state=JobState.SUCCEEDED.value, ended_at=time.time(), exit_code=0)
     return True

@@ -28,9 +28,15 @@ def job_history(since: float, until: float, *, submitted_after: float | None = N
     """
     sky = sky_sdk.sky()
     records, *_ = sky_sdk.read(
-        lambda: sky.jobs.queue_v2(refresh=False, skip_finished=False, all_users=True, submitted_before=until,
-                                  submitted_after=submitted_after, fields=sky_records.HISTORY_FIELDS)
-    )  # fmt: skip
+        lambda: sky.jobs.queue_v2(
+            refresh=False,
+            skip_finished=False,
+            all_users=True,
+            submitted_before=until,
+            submitted_after=submitted_after,
+            fields=sky_records.HISTORY_FIELDS,
+        )
+    )
     out = []
     for r in records:
         started, ended = r.start_at or None, r.end_at or None
@@ -48,11 +54,17 @@ def job_history(since: float, until: float, *, submitted_after: float | None = N
         gpus = sky_records.record_gpus(r, resources) * sky_records.record_nodes(r, task)
         out.append(
             JobUsage.from_labels(
-                labels, job_id=str(r.job_id), name=r.job_name or "", gpus=gpus, started_at=started, ended_at=ended,
-                state=sky_sdk.state(r.status), recoveries=int(r.recovery_count or 0),
+                labels,
+                job_id=str(r.job_id),
+                name=r.job_name or "",
+                gpus=gpus,
+                started_at=started,
+                ended_at=ended,
+                state=sky_sdk.state(r.status),
+                recoveries=int(r.recovery_count or 0),
                 ran_s=float(r.job_duration) if r.job_duration is not None else None,
             )
-        )  # fmt: skip
+        )
     return out + _clusters_up(since, until)
 
 
@@ -77,12 +89,16 @@ def _clusters_up(since: float, until: float) -> list[JobUsage]:
                 continue
             out.append(
                 JobUsage.from_labels(
-                    labels, job_id=f"{name}@{int(start)}", name=name, gpus=gpus, started_at=float(start),
+                    labels,
+                    job_id=f"{name}@{int(start)}",
+                    name=name,
+                    gpus=gpus,
+                    started_at=float(start),
                     ended_at=None if end is None else float(end),
                     state=JobState.RUNNING if end is None else JobState.SUCCEEDED,
                     ran_s=(now if end is None else float(end)) - float(start),
                 )
-            )  # fmt: skip
+            )
     return out
 
 
@@ -99,8 +115,17 @@ def holdings() -> list[Holding]:
         state = sky_sdk.state(r.status)
         if r.pool or state.is_terminal:
             continue
-        out.append(Holding("job", str(r.job_id), labels=sky_records.launched_labels(r), since=r.submitted_at,
-                           state=state.value, name=r.job_name or "", scheduler_name=r.cluster_name_on_cloud or ""))  # fmt: skip
+        out.append(
+            Holding(
+                "job",
+                str(r.job_id),
+                labels=sky_records.launched_labels(r),
+                since=r.submitted_at,
+                state=state.value,
+                name=r.job_name or "",
+                scheduler_name=r.cluster_name_on_cloud or "",
+            )
+        )
     for record in sky_sdk.read(lambda: sky.jobs.pool_status(None)) or ():
         labels = {str(k): str(v) for k, v in (sky_records.pool_labels(record).get("labels") or {}).items()}
         name = str(record.get("name"))
@@ -110,7 +135,15 @@ def holdings() -> list[Holding]:
         if not name.startswith((*INTERACTIVE_PREFIXES, STEP_CLUSTER_PREFIX)):
             continue
         handle = record.get("handle")
-        out.append(Holding("cluster", name, labels=sky_records.cluster_labels(record), since=record.get("launched_at"),
-                           state=sky_records.status_name(record), name=name,
-                           scheduler_name=str(getattr(handle, "cluster_name_on_cloud", "") or "")))  # fmt: skip
+        out.append(
+            Holding(
+                "cluster",
+                name,
+                labels=sky_records.cluster_labels(record),
+                since=record.get("launched_at"),
+                state=sky_records.status_name(record),
+                name=name,
+                scheduler_name=str(getattr(handle, "cluster_name_on_cloud", "") or ""),
+            )
+        )
     return out

@@ -17,13 +17,38 @@ from gpudoor_pipelines.launch.labels import LABEL_POOL, LABEL_USER, STEP_CLUSTER
 from gpudoor_pipelines.launch.resolve.specs import gpus_per_node, parse_accelerators
 
 QUEUE_FIELDS = [
-    "job_id", "job_name", "status", "infra", "cloud", "region", "zone", "recovery_count", "submitted_at", "start_at",
-    "end_at", "job_duration", "last_recovered_at", "failure_reason", "details", "labels", "accelerators", "resources",
-]  # fmt: skip
+    "job_id",
+    "job_name",
+    "status",
+    "infra",
+    "cloud",
+    "region",
+    "zone",
+    "recovery_count",
+    "submitted_at",
+    "start_at",
+    "end_at",
+    "job_duration",
+    "last_recovered_at",
+    "failure_reason",
+    "details",
+    "labels",
+    "accelerators",
+    "resources",
+]
 #: What the reconciler reads of every unfinished job: a pending job has no cluster yet, so its labels come
 #: from the task it was launched with.
-HOLDING_FIELDS = ["job_id", "job_name", "status", "labels", "submitted_at", "pool", "cluster_name_on_cloud",
-                  "task_id", "user_yaml"]  # fmt: skip
+HOLDING_FIELDS = [
+    "job_id",
+    "job_name",
+    "status",
+    "labels",
+    "submitted_at",
+    "pool",
+    "cluster_name_on_cloud",
+    "task_id",
+    "user_yaml",
+]
 #: The history also reads the task each job was launched with: once a job's cluster is gone, the queue no
 #: longer shows its labels nor its GPUs.
 HISTORY_FIELDS = [*QUEUE_FIELDS, "task_id", "user_yaml"]

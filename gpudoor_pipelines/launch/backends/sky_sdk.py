@@ -74,11 +74,18 @@ def health(endpoint: str, token: str | None, timeout_s: float = 5.0) -> dict[str
             body = response.read()
     except urllib.error.HTTPError as e:
         if e.code in (401, 403):
-            raise LaunchConfigError("resource skypilot", "service_account_token",
-                                    f"the API server at {endpoint} refused the credentials ({e.code})",
-                                    "set SKYPILOT_SERVICE_ACCOUNT_TOKEN to a valid service-account token") from None  # fmt: skip
-        raise LaunchConfigError("resource skypilot", "api_server_endpoint", f"{endpoint}/api/health answered {e.code}",
-                                "check that SKYPILOT_API_SERVER_ENDPOINT points at a SkyPilot API server") from None  # fmt: skip
+            raise LaunchConfigError(
+                "resource skypilot",
+                "service_account_token",
+                f"the API server at {endpoint} refused the credentials ({e.code})",
+                "set SKYPILOT_SERVICE_ACCOUNT_TOKEN to a valid service-account token",
+            ) from None
+        raise LaunchConfigError(
+            "resource skypilot",
+            "api_server_endpoint",
+            f"{endpoint}/api/health answered {e.code}",
+            "check that SKYPILOT_API_SERVER_ENDPOINT points at a SkyPilot API server",
+        ) from None
     except (urllib.error.URLError, OSError) as e:
         raise LaunchConfigError(
             "resource skypilot",
@@ -143,11 +150,19 @@ def refusals(job: ResolvedJob) -> Iterator[None]:
         full = PoolFull.from_refusal(str(e), job.spec_path or job.name)
         if full is not None:
             raise full from None
-        raise LaunchConfigError(job.spec_path or job.name, "(admin policy)", f"rejected by the API server's policy: {e}",
-                                "change what the policy names, then relaunch") from None  # fmt: skip
+        raise LaunchConfigError(
+            job.spec_path or job.name,
+            "(admin policy)",
+            f"rejected by the API server's policy: {e}",
+            "change what the policy names, then relaunch",
+        ) from None
     except (exceptions.ResourcesUnavailableError, ValueError) as e:
-        raise LaunchConfigError(job.name, "resources", f"SkyPilot cannot place the job: {e}",
-                                "check the pool's infra and GPUs in task_specs/fleet.yaml") from None  # fmt: skip
+        raise LaunchConfigError(
+            job.name,
+            "resources",
+            f"SkyPilot cannot place the job: {e}",
+            "check the pool's infra and GPUs in task_specs/fleet.yaml",
+        ) from None
 
 
 def clusters(names: list[str]) -> dict[str, str]:

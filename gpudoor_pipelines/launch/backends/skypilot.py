@@ -71,10 +71,11 @@ class SkyPilotBackend(Backend):
         sdk_endpoint = sky_sdk.sky().server.common.get_server_url()
         if sdk_endpoint != self.endpoint:
             raise LaunchConfigError(
-                "resource skypilot", "api_server_endpoint",
+                "resource skypilot",
+                "api_server_endpoint",
                 f"the SkyPilot SDK of this process talks to {sdk_endpoint}, not {self.endpoint}",
                 f"set SKYPILOT_API_SERVER_ENDPOINT={self.endpoint} in the environment of the code location",
-            )  # fmt: skip
+            )
 
     def service_account(self) -> str | None:
         """The name the API server gives this backend's token (its ``/api/health`` answer), if any."""
@@ -162,7 +163,9 @@ class SkyPilotBackend(Backend):
         from sky.client import sdk
 
         try:
-            groups = sky.get(sdk.realtime_slurm_gpu_availability(slurm_cluster_name=parts[1], name_filter=route.accelerator))
+            groups = sky.get(
+                sdk.realtime_slurm_gpu_availability(slurm_cluster_name=parts[1], name_filter=route.accelerator)
+            )
         except Exception:  # noqa: BLE001 - availability is advice: fall back to the caps
             return None
         free = None
@@ -204,7 +207,9 @@ class SkyPilotBackend(Backend):
         pools = _SIDE_READS.submit(lambda: sky_sdk.read(lambda: sky.jobs.pool_status(None)))
         clusters = _SIDE_READS.submit(lambda: sky_sdk.read(lambda: sky.status(all_users=True)))
         records, *_ = sky_sdk.read(
-            lambda: sky.jobs.queue_v2(refresh=False, skip_finished=True, all_users=True, fields=sky_records.QUEUE_FIELDS)
+            lambda: sky.jobs.queue_v2(
+                refresh=False, skip_finished=True, all_users=True, fields=sky_records.QUEUE_FIELDS
+            )
         )
         held = [row for r in records if (row := sky_records.job_held(r)) is not None]
         held.extend(sky_records.pool_workers_held(pools.result() or ()))
@@ -260,8 +265,11 @@ class SkyPilotBackend(Backend):
         from sky.jobs.utils import generate_managed_job_cluster_name
 
         infos = self.statuses([h.id for h in jobs])
-        clusters = {h.key: generate_managed_job_cluster_name(infos[h.id].name or h.name or "job", int(h.id))
-                    for h in jobs if h.id in infos and infos[h.id].state.is_terminal}  # fmt: skip
+        clusters = {
+            h.key: generate_managed_job_cluster_name(infos[h.id].name or h.name or "job", int(h.id))
+            for h in jobs
+            if h.id in infos and infos[h.id].state.is_terminal
+        }
         listed = sky_sdk.clusters(list(clusters.values())) if clusters else {}
         for h in jobs:
             info = infos.get(h.id)
@@ -271,7 +279,9 @@ class SkyPilotBackend(Backend):
                 out[h.key] = ReleaseCheck(False, (f"job {h.id}: {info.state.value}",))
             else:
                 name = clusters[h.key]
-                seen = f"sky.status: cluster {name} {listed[name]}" if name in listed else f"sky.status: no cluster {name}"
+                seen = (
+                    f"sky.status: cluster {name} {listed[name]}" if name in listed else f"sky.status: no cluster {name}"
+                )
                 out[h.key] = ReleaseCheck(name not in listed, (f"job {h.id}: {info.state.value}", seen))
         return out
 
@@ -310,8 +320,12 @@ class _SkyService(Service):
         state = sky_sdk.cluster_job_state(found)
         if state is JobState.PENDING:  # a service that is set up is running as far as its step is concerned
             state = JobState.RUNNING
-        return JobInfo(job_id=self.job_id, state=state or JobState.FAILED_CONTROLLER, name=self.cluster_name,
-                       infra=self.cluster_name)  # fmt: skip
+        return JobInfo(
+            job_id=self.job_id,
+            state=state or JobState.FAILED_CONTROLLER,
+            name=self.cluster_name,
+            infra=self.cluster_name,
+        )
 
     def follow_logs(self) -> LogFollower:
         sky = sky_sdk.sky()

@@ -118,9 +118,18 @@ class _Step:
         else:  # gone, and the follower has not said why yet: it is looking (and relaunches a preempted one)
             state = JobState.RECOVERING
         started = self.started_at or self.launched_at
-        return JobInfo(job_id=job_id, state=state, name=self.cluster, recoveries=self.recoveries,
-                       submitted_at=self.launched_at, started_at=started, ended_at=self.ended_at,
-                       detail=self.detail, ran_s=self.ran_s(), recovered_at=self.recovered_at)  # fmt: skip
+        return JobInfo(
+            job_id=job_id,
+            state=state,
+            name=self.cluster,
+            recoveries=self.recoveries,
+            submitted_at=self.launched_at,
+            started_at=started,
+            ended_at=self.ended_at,
+            detail=self.detail,
+            ran_s=self.ran_s(),
+            recovered_at=self.recovered_at,
+        )
 
 
 def launch(job: ResolvedJob) -> str:
@@ -209,13 +218,17 @@ def _follow(step: _Step, out) -> None:
             except Exception as e:  # noqa: BLE001 - the API server or the cluster did not answer: look again
                 errors += 1
                 if errors >= MAX_LOOK_ERRORS:
-                    step.decide(JobState.FAILED, f"lost track of cluster {step.cluster} after {errors} failed looks: "
-                                                 f"{type(e).__name__}: {e}")  # fmt: skip
+                    step.decide(
+                        JobState.FAILED,
+                        f"lost track of cluster {step.cluster} after {errors} failed looks: {type(e).__name__}: {e}",
+                    )
                     return
                 wait = looks.current
                 looks.after(changed=False)
-                out.write(f"[gpudoor] could not look at cluster {step.cluster} ({type(e).__name__}: {e}); "
-                          f"looking again in {wait:g} s\n")  # fmt: skip
+                out.write(
+                    f"[gpudoor] could not look at cluster {step.cluster} ({type(e).__name__}: {e}); "
+                    f"looking again in {wait:g} s\n"
+                )
                 time.sleep(wait)
     finally:
         step.decide(JobState.FAILED, f"stopped following cluster {step.cluster}")  # no-op once decided
@@ -238,7 +251,9 @@ def _follow_once(step: _Step, out) -> None:
     elif _cluster_up(step.cluster):
         state = _job_state(step.cluster, step.sky_job_id)
         if state is None or state.is_terminal:
-            step.decide(state or JobState.FAILED, "" if state else f"cluster {step.cluster} has no job {step.sky_job_id}")
+            step.decide(
+                state or JobState.FAILED, "" if state else f"cluster {step.cluster} has no job {step.sky_job_id}"
+            )
         else:  # the stream dropped while the job runs: follow it again
             time.sleep(1.0)
     else:
@@ -250,7 +265,9 @@ def _cluster_up(cluster: str) -> bool:
     sky = sky_sdk.sky()
     from sky.utils import common
 
-    records = sky_sdk.read(lambda: sky.status(cluster_names=[cluster], refresh=common.StatusRefreshMode.FORCE, all_users=True))
+    records = sky_sdk.read(
+        lambda: sky.status(cluster_names=[cluster], refresh=common.StatusRefreshMode.FORCE, all_users=True)
+    )
     return any(str(getattr(r.get("status"), "value", r.get("status"))) == "UP" for r in records or ())
 
 
@@ -258,13 +275,19 @@ def _relaunch(step: _Step, out) -> None:
     """The cluster was lost under a running job: the same task on the same cluster name, again."""
     step.lost()
     if step.task is None or step.recoveries >= MAX_RELAUNCHES:
-        why = "it was launched by another process" if step.task is None else f"relaunched {step.recoveries} times already"
-        step.decide(JobState.FAILED_NO_RESOURCE, f"its cluster {step.cluster} was lost (preempted); not relaunched: {why}")
+        why = (
+            "it was launched by another process" if step.task is None else f"relaunched {step.recoveries} times already"
+        )
+        step.decide(
+            JobState.FAILED_NO_RESOURCE, f"its cluster {step.cluster} was lost (preempted); not relaunched: {why}"
+        )
         return
     sky = sky_sdk.sky()
     step.relaunching, step.recoveries = True, step.recoveries + 1
-    out.write(f"[gpudoor] cluster {step.cluster} was lost (preempted): launching it again "
-              f"(recovery {step.recoveries} of at most {MAX_RELAUNCHES})\n")  # fmt: skip
+    out.write(
+        f"[gpudoor] cluster {step.cluster} was lost (preempted): launching it again "
+        f"(recovery {step.recoveries} of at most {MAX_RELAUNCHES})\n"
+    )
     try:
         sky_sdk.down(step.cluster, wait=True)  # what is left of it (its record, a partial allocation)
         if not step.released:
@@ -330,7 +353,9 @@ class StepClusters(JobStrategy):
     def tail(self, job_id: str, lines: int) -> list[str]:
         sky = sky_sdk.sky()
         cluster, sky_job_id = cluster_of(job_id), sky_job_of(job_id)
-        return sky_sdk.tail(lambda out: sky.tail_logs(cluster, sky_job_id, follow=False, tail=lines, output_stream=out), lines)
+        return sky_sdk.tail(
+            lambda out: sky.tail_logs(cluster, sky_job_id, follow=False, tail=lines, output_stream=out), lines
+        )
 
     def cancel(self, job_ids: Sequence[str]) -> None:
         for job_id in job_ids:

@@ -131,11 +131,15 @@ class ManagedJobs(JobStrategy):
 
     def follow(self, job_id: str) -> LogFollower:
         sky = sky_sdk.sky()
-        return sky_sdk.ThreadFollower(lambda out: sky.jobs.tail_logs(job_id=int(job_id), follow=True, output_stream=out))
+        return sky_sdk.ThreadFollower(
+            lambda out: sky.jobs.tail_logs(job_id=int(job_id), follow=True, output_stream=out)
+        )
 
     def tail(self, job_id: str, lines: int) -> list[str]:
         sky = sky_sdk.sky()
-        return sky_sdk.tail(lambda out: sky.jobs.tail_logs(job_id=int(job_id), follow=False, tail=lines, output_stream=out), lines)
+        return sky_sdk.tail(
+            lambda out: sky.jobs.tail_logs(job_id=int(job_id), follow=False, tail=lines, output_stream=out), lines
+        )
 
     def cancel(self, job_ids: Sequence[str]) -> None:
         if job_ids:
@@ -165,14 +169,17 @@ class WarmPools:
             pool_config = {k: v for k, v in config.items() if k != "run"}
             pool_config.update(name=pool_name, pool={"workers": workers})
             with sky_sdk.refusals(job):
-                sky.get(sky.jobs.pool_apply(sky_sdk.build_task(job, pool_config), pool_name, mode=sky_sdk.update_mode()))
+                sky.get(
+                    sky.jobs.pool_apply(sky_sdk.build_task(job, pool_config), pool_name, mode=sky_sdk.update_mode())
+                )
         self._wait_ready(pool_name)
         # The job runs on the pool's workers: they decide where, and they already ran the setup.
         job_config = {k: v for k, v in config.items() if k not in ("setup", "num_nodes")}
         job_config["name"] = job.name
         with sky_sdk.refusals(job):
-            job_ids, _ = sky.get(sky.jobs.launch(sky_sdk.build_task(job, job_config), name=job.name, pool=pool_name,
-                                                 num_jobs=num_jobs))  # fmt: skip
+            job_ids, _ = sky.get(
+                sky.jobs.launch(sky_sdk.build_task(job, job_config), name=job.name, pool=pool_name, num_jobs=num_jobs)
+            )
         if len(job_ids or ()) != num_jobs:
             raise RuntimeError(f"SkyPilot returned {len(job_ids or ())} job ids for {num_jobs} jobs of {job.name}")
         return [str(i) for i in job_ids]
@@ -196,7 +203,9 @@ class WarmPools:
             if status == "READY":
                 return
             if status.startswith("FAILED") or time.time() > deadline:
-                raise RuntimeError(f"pool {pool_name} is {status} (not READY after {time.time() - deadline + timeout_s:.0f} s)")
+                raise RuntimeError(
+                    f"pool {pool_name} is {status} (not READY after {time.time() - deadline + timeout_s:.0f} s)"
+                )
             time.sleep(self.poll_s)
 
     def workers(self, pool_name: str) -> int:

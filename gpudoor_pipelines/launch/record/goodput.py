@@ -93,10 +93,16 @@ class PreemptionCost:
 
     def summary(self, job_id: str) -> str:
         """What the preemptions of job ``job_id`` cost, in words: one line, then one per preemption."""
-        lines = [f"Job {job_id} was preempted {len(self.preemptions)} time(s) and recovered: "
-                 f"{self.gpu_hours_lost:.3f} of {self.gpu_hours_held:.3f} GPU-hours held were lost (goodput {self.goodput:.1%})."]  # fmt: skip
+        lines = [
+            f"Job {job_id} was preempted {len(self.preemptions)} time(s) and recovered: "
+            f"{self.gpu_hours_lost:.3f} of {self.gpu_hours_held:.3f} GPU-hours held were lost (goodput {self.goodput:.1%})."
+        ]
         for p in self.preemptions:
-            saved = "nothing saved before it" if p.last_saved_at is None else f"last save {p.seen_at - p.last_saved_at:.0f} s before"
+            saved = (
+                "nothing saved before it"
+                if p.last_saved_at is None
+                else f"last save {p.seen_at - p.last_saved_at:.0f} s before"
+            )
             seen = time.strftime("%H:%M:%S", time.localtime(p.seen_at))
             lines.append(f"- preempted (seen) at {seen}, {saved}: {p.lost_s:.0f} s of work lost")
         return "\n".join(lines)
@@ -162,14 +168,25 @@ def preemption_cost(
             continue
         saves = [t for t in saved_at if begin <= t <= end]
         last = saves[-1] if saves else None
-        preemptions.append(Preemption(seen_at=end, last_saved_at=last, lost_s=end - (last if last is not None else begin)))
+        preemptions.append(
+            Preemption(seen_at=end, last_saved_at=last, lost_s=end - (last if last is not None else begin))
+        )
     held = ran_s if ran_s is not None else sum(end - begin for begin, end, _ in stretches)
-    return PreemptionCost(recoveries=max(recoveries, len(preemptions), entered), held_s=max(0.0, held),
-                          preemptions=tuple(preemptions), gpus=gpus)  # fmt: skip
+    return PreemptionCost(
+        recoveries=max(recoveries, len(preemptions), entered),
+        held_s=max(0.0, held),
+        preemptions=tuple(preemptions),
+        gpus=gpus,
+    )
 
 
-def report_preemptions(job_ids: Sequence[str], before: Mapping[str, JobInfo], now: Mapping[str, JobInfo],
-                       reported: dict[str, int], report: Callable[[int, JobInfo, float], None]) -> None:  # fmt: skip
+def report_preemptions(
+    job_ids: Sequence[str],
+    before: Mapping[str, JobInfo],
+    now: Mapping[str, JobInfo],
+    reported: dict[str, int],
+    report: Callable[[int, JobInfo, float], None],
+) -> None:
     """Calls ``report`` once per preemption of each rank since the last poll: a rank seen entering RECOVERING,
     or whose recovery count rose past what was reported.
 

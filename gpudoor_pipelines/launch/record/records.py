@@ -40,21 +40,39 @@ class LaunchRecord:
     launched_as: str = "job"
 
     @classmethod
-    def of(cls, job: ResolvedJob, info: JobInfo, backend: str, preemptions: PreemptionCost | None = None,
-           launched_as: str = "job") -> LaunchRecord:
+    def of(
+        cls,
+        job: ResolvedJob,
+        info: JobInfo,
+        backend: str,
+        preemptions: PreemptionCost | None = None,
+        launched_as: str = "job",
+    ) -> LaunchRecord:
         """The record of a finished job (with what its preemptions cost, when the step watched it);
         ``launched_as``: ``job``, or ``cluster`` for a step the fleet launches as a cluster of its own."""
         assert job.route is not None
         queued = info.started_at - info.submitted_at if info.started_at and info.submitted_at else None
         running = info.ended_at - info.started_at if info.ended_at and info.started_at else 0.0
         return cls(
-            job_id=info.job_id, job_name=info.name or job.name, backend=backend, pool=job.pool,
-            infra=info.infra or job.route.infra, accelerators=job.route.accelerators, num_nodes=job.num_nodes,
-            route=job.route.reason, status=info.state.value, recoveries=info.recoveries, queued_s=queued,
-            running_s=running, gpu_hours=job.route.total_gpus * running / 3600.0,
-            cost_usd=job.route.usd_per_hour * running / 3600.0, policy=job.notes, task_spec=job.spec_path,
-            preemptions=preemptions, launched_as=launched_as,
-        )  # fmt: skip
+            job_id=info.job_id,
+            job_name=info.name or job.name,
+            backend=backend,
+            pool=job.pool,
+            infra=info.infra or job.route.infra,
+            accelerators=job.route.accelerators,
+            num_nodes=job.num_nodes,
+            route=job.route.reason,
+            status=info.state.value,
+            recoveries=info.recoveries,
+            queued_s=queued,
+            running_s=running,
+            gpu_hours=job.route.total_gpus * running / 3600.0,
+            cost_usd=job.route.usd_per_hour * running / 3600.0,
+            policy=job.notes,
+            task_spec=job.spec_path,
+            preemptions=preemptions,
+            launched_as=launched_as,
+        )
 
     def to_metadata(self) -> dict[str, Any]:
         """The record as materialization metadata (names the UI and ``gpu_usage`` read)."""
@@ -109,7 +127,9 @@ class BatchResult:
     def failure(self, rank: int) -> JobFailed:
         """What a failed rank's job did: its end state and last log lines."""
         info = self.infos[rank]
-        return JobFailed(info.job_id, info.state.value, info.detail or FAILURE_MEANING.get(info.state, ""), self.tails.get(rank, []))
+        return JobFailed(
+            info.job_id, info.state.value, info.detail or FAILURE_MEANING.get(info.state, ""), self.tails.get(rank, [])
+        )
 
     @property
     def failed_ranks(self) -> list[int]:
@@ -154,10 +174,15 @@ class ServiceRecord:
         route = self.job.route
         assert route is not None
         md: dict[str, Any] = {
-            "url": dg.MetadataValue.url(self.url), "cluster_name": self.cluster_name, "job_id": self.job_id,
-            "backend": self.backend, "pool": route.pool.name, "infra": route.infra,
-            "accelerators": route.accelerators or "none (CPU-only)", "usd_per_hour_estimate": round(route.usd_per_hour, 4),
-        }  # fmt: skip
+            "url": dg.MetadataValue.url(self.url),
+            "cluster_name": self.cluster_name,
+            "job_id": self.job_id,
+            "backend": self.backend,
+            "pool": route.pool.name,
+            "infra": route.infra,
+            "accelerators": route.accelerators or "none (CPU-only)",
+            "usd_per_hour_estimate": round(route.usd_per_hour, 4),
+        }
         if self.job.notes:
             md["policy"] = "; ".join(self.job.notes)
         return md

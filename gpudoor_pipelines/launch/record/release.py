@@ -48,9 +48,15 @@ class ReleaseOutcome:
 
     def to_record(self) -> dict[str, Any]:
         """The outcome as plain data (run metadata, JSON)."""
-        return {"kind": self.holding.kind, "id": self.holding.id, "name": self.holding.name,
-                "confirmed": self.confirmed, "seconds": round(self.seconds, 1), "seen": list(self.seen),
-                **({"error": self.error} if self.error else {})}  # fmt: skip
+        return {
+            "kind": self.holding.kind,
+            "id": self.holding.id,
+            "name": self.holding.name,
+            "confirmed": self.confirmed,
+            "seconds": round(self.seconds, 1),
+            "seen": list(self.seen),
+            **({"error": self.error} if self.error else {}),
+        }
 
 
 def release_and_verify(

@@ -24,11 +24,27 @@ DEFAULT_FLEET_FILE = DEFAULT_SPECS_DIR / "fleet.yaml"
 
 _CLOUD_ALIASES = {"kubernetes": "k8s"}
 #: SkyPilot's cloud feature names (``sky.clouds.CloudImplementationFeatures``) a pool may declare it has.
-SKYPILOT_FEATURES = frozenset({
-    "stop", "multi-node", "clone_disk_from_cluster", "image_id", "docker_image", "spot_instance", "custom_disk_tier",
-    "custom_network_tier", "open_ports", "storage_mounting", "host_controllers", "high_availability_controllers",
-    "auto_terminate", "autostop", "autodown", "custom_multi_network", "local_disk",
-})  # fmt: skip
+SKYPILOT_FEATURES = frozenset(
+    {
+        "stop",
+        "multi-node",
+        "clone_disk_from_cluster",
+        "image_id",
+        "docker_image",
+        "spot_instance",
+        "custom_disk_tier",
+        "custom_network_tier",
+        "open_ports",
+        "storage_mounting",
+        "host_controllers",
+        "high_availability_controllers",
+        "auto_terminate",
+        "autostop",
+        "autodown",
+        "custom_multi_network",
+        "local_disk",
+    }
+)
 _LABEL_VALUE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
@@ -98,11 +114,16 @@ class Pool(BaseModel):
     @model_validator(mode="after")
     def _gpus_need_a_cap(self) -> Pool:
         if self.gpus and not self.gpu_cap:
-            raise _FieldError(f"pools.{self.name}.gpu_cap", "missing", f"say how many GPUs pool '{self.name}' lends at once")
+            raise _FieldError(
+                f"pools.{self.name}.gpu_cap", "missing", f"say how many GPUs pool '{self.name}' lends at once"
+            )
         for i, feature in enumerate(self.features):
             if feature not in SKYPILOT_FEATURES:
-                raise _FieldError(f"pools.{self.name}.features[{i}]", f"unknown SkyPilot feature '{feature}'",
-                                  f"use one of {sorted(SKYPILOT_FEATURES)}{did_you_mean(feature, SKYPILOT_FEATURES)}")  # fmt: skip
+                raise _FieldError(
+                    f"pools.{self.name}.features[{i}]",
+                    f"unknown SkyPilot feature '{feature}'",
+                    f"use one of {sorted(SKYPILOT_FEATURES)}{did_you_mean(feature, SKYPILOT_FEATURES)}",
+                )
         return self
 
     @property
@@ -144,9 +165,13 @@ class NightWindow(BaseModel):
         try:
             zoneinfo.ZoneInfo(self.timezone)
         except (zoneinfo.ZoneInfoNotFoundError, ValueError):
-            raise _FieldError("night_window.timezone", f"unknown timezone '{self.timezone}'", "use an IANA name such as Europe/Paris") from None
+            raise _FieldError(
+                "night_window.timezone", f"unknown timezone '{self.timezone}'", "use an IANA name such as Europe/Paris"
+            ) from None
         if len(self.start.split()) != 5:
-            raise _FieldError("night_window.start", f"'{self.start}' is not a 5-field cron", "write it like '0 1 * * *' (01:00 daily)")
+            raise _FieldError(
+                "night_window.start", f"'{self.start}' is not a 5-field cron", "write it like '0 1 * * *' (01:00 daily)"
+            )
         return self
 
     def end_after(self, start: datetime.datetime) -> datetime.datetime:
@@ -275,28 +300,45 @@ class Fleet(BaseModel):
         where = [(f"routes.{s}[{i}]", p) for s, ps in self.routes.items() for i, p in enumerate(ps)]
         where += [(f"accelerator_routes.{g}", p) for g, p in self.accelerator_routes.items()]
         where += [(f"cpu_route[{i}]", p) for i, p in enumerate(self.cpu_route)]
-        where += [(f"pools.{n}.recover_to[{i}]", p) for n, pool in self.pools.items() for i, p in enumerate(pool.recover_to)]
+        where += [
+            (f"pools.{n}.recover_to[{i}]", p) for n, pool in self.pools.items() for i, p in enumerate(pool.recover_to)
+        ]
         for name, pool in self.pools.items():
             if name in pool.recover_to:
-                raise _FieldError(f"pools.{name}.recover_to", f"pool '{name}' names itself",
-                                  "list other pools (SkyPilot already recovers a job on its own pool)")
+                raise _FieldError(
+                    f"pools.{name}.recover_to",
+                    f"pool '{name}' names itself",
+                    "list other pools (SkyPilot already recovers a job on its own pool)",
+                )
         for field, name in where:
             if name not in self.pools:
-                raise _FieldError(field, f"unknown pool '{name}'", f"use one of {sorted(self.pools)}{did_you_mean(name, self.pools)}")
+                raise _FieldError(
+                    field, f"unknown pool '{name}'", f"use one of {sorted(self.pools)}{did_you_mean(name, self.pools)}"
+                )
         for step in self.launch_as:
             if step not in self.routes:
-                raise _FieldError(f"launch_as.{step}", f"unknown step '{step}'",
-                                  f"use a step named under routes: {sorted(self.routes)}{did_you_mean(step, self.routes)}")
+                raise _FieldError(
+                    f"launch_as.{step}",
+                    f"unknown step '{step}'",
+                    f"use a step named under routes: {sorted(self.routes)}{did_you_mean(step, self.routes)}",
+                )
         if not self.default_cost_owner and self.cost_owners:
             object.__setattr__(self, "default_cost_owner", self.cost_owners[0])
         if self.cost_owners and self.default_cost_owner not in self.cost_owners:
-            raise _FieldError("default_cost_owner", f"'{self.default_cost_owner}' is not in cost_owners", "add it to cost_owners")
+            raise _FieldError(
+                "default_cost_owner", f"'{self.default_cost_owner}' is not in cost_owners", "add it to cost_owners"
+            )
         return self
 
     def pool(self, name: str, *, field: str = "pool") -> Pool:
         """A pool by name, or a clear error naming the known pools."""
         if name not in self.pools:
-            raise LaunchConfigError(self.source, field, f"unknown pool '{name}'", f"use one of {sorted(self.pools)}{did_you_mean(name, self.pools)}")
+            raise LaunchConfigError(
+                self.source,
+                field,
+                f"unknown pool '{name}'",
+                f"use one of {sorted(self.pools)}{did_you_mean(name, self.pools)}",
+            )
         return self.pools[name]
 
     def pool_for_infra(self, infra: str) -> Pool | None:
@@ -343,7 +385,12 @@ def parse_fleet(raw: Any, source: str) -> Fleet:
         LaunchConfigError: naming the file, the field and the fix.
     """
     if not isinstance(raw, dict):
-        raise LaunchConfigError(source, "(top level)", f"expected a mapping, got {raw!r}", "the fleet file must be a mapping with 'pools' and 'routes'")
+        raise LaunchConfigError(
+            source,
+            "(top level)",
+            f"expected a mapping, got {raw!r}",
+            "the fleet file must be a mapping with 'pools' and 'routes'",
+        )
     try:
         return Fleet.model_validate({**raw, "source": source})
     except ValidationError as e:
@@ -354,14 +401,24 @@ def parse_fleet(raw: Any, source: str) -> Fleet:
         loc = tuple(err["loc"])
         field = _field_path(loc)
         if err["type"] == "extra_forbidden":
-            model = {"pools": Pool, "evaluation": EvalPolicy, "reconciler": ReconcilerPolicy, "night_window": NightWindow}.get(loc[0], Fleet)
+            model = {
+                "pools": Pool,
+                "evaluation": EvalPolicy,
+                "reconciler": ReconcilerPolicy,
+                "night_window": NightWindow,
+            }.get(loc[0], Fleet)
             known = _known_fields(model)
             fix = f"remove it; known fields: {known}{did_you_mean(loc[-1], known)}"
             raise LaunchConfigError(source, field, "unknown field", fix) from None
         if err["type"] == "missing":
             raise LaunchConfigError(source, field, "missing", f"add '{loc[-1]}'") from None
         got = err.get("input")
-        raise LaunchConfigError(source, field, f"{err['msg'].lower()} (got {got!r})", "see the field list at the top of task_specs/fleet.yaml") from None
+        raise LaunchConfigError(
+            source,
+            field,
+            f"{err['msg'].lower()} (got {got!r})",
+            "see the field list at the top of task_specs/fleet.yaml",
+        ) from None
 
 
 @functools.lru_cache(maxsize=16)
@@ -382,5 +439,7 @@ def load_fleet(path: str | Path | None = None) -> Fleet:
     """
     p = Path(path) if path else DEFAULT_FLEET_FILE
     if not p.is_file():
-        raise LaunchConfigError(str(p), "(file)", "expected fleet file does not exist", "create it or point fleet_file at it")
+        raise LaunchConfigError(
+            str(p), "(file)", "expected fleet file does not exist", "create it or point fleet_file at it"
+        )
     return _load_fleet_cached(str(p.resolve()), p.stat().st_mtime)

@@ -67,7 +67,6 @@ class ResolvedJob:
         return int(self.config.get("num_nodes") or 1)
 
 
-
 def slug(text: str, limit: int = 40) -> str:
     """A lowercase name SkyPilot accepts in job and cluster names."""
     return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:limit].strip("-") or "x"
@@ -158,15 +157,35 @@ def resolve(request: LaunchRequest, fleet: Fleet, *, usage: Usage | None = None)
     problems: list[LaunchConfigError] = list(spec.problems)
     for name in request.env:
         if name not in spec.envs:
-            problems.append(LaunchConfigError("run config", f"env.{name}", f"{spec.path} declares no env '{name}'",
-                                              f"use one of {sorted(spec.envs)} or declare it under envs in {spec.path}"))  # fmt: skip
-    own = LaunchContext.from_labels({str(k): str(v) for k, v in ((spec.config.get("resources") or {}).get("labels") or {}).items()})
+            problems.append(
+                LaunchConfigError(
+                    "run config",
+                    f"env.{name}",
+                    f"{spec.path} declares no env '{name}'",
+                    f"use one of {sorted(spec.envs)} or declare it under envs in {spec.path}",
+                )
+            )
+    own = LaunchContext.from_labels(
+        {str(k): str(v) for k, v in ((spec.config.get("resources") or {}).get("labels") or {}).items()}
+    )
     step = request.step or own.step
     infra, infra_field = request.infra, ("launch override", "infra")
     if not infra:
-        infra, infra_field = task_infra(spec.config.get("resources") or {}, spec.path, fleet, problems), (spec.path, "resources.infra")
+        infra, infra_field = (
+            task_infra(spec.config.get("resources") or {}, spec.path, fleet, problems),
+            (spec.path, "resources.infra"),
+        )
     try:
-        chosen = route(spec, fleet, step=step, pool=request.pool, infra=infra, user=request.user, usage=usage, infra_field=infra_field)
+        chosen = route(
+            spec,
+            fleet,
+            step=step,
+            pool=request.pool,
+            infra=infra,
+            user=request.user,
+            usage=usage,
+            infra_field=infra_field,
+        )
     except LaunchConfigError as e:
         raise LaunchConfigError.combine([*problems, e]) from None
     ours = {"dagster/asset": request.asset, "dagster/partition": request.partition}
@@ -175,12 +194,23 @@ def resolve(request: LaunchRequest, fleet: Fleet, *, usage: Usage | None = None)
         identity["dagster/deployment"] = deployment_name()
     cost_owner = request.cost_owner or own.cost_owner or request.default_cost_owner or fleet.default_cost_owner
     ttl = request.ttl_hours if request.ttl_hours is not None else own.ttl_hours
-    ctx = LaunchContext(cost_owner=cost_owner, user=request.user, step=step, interactive=request.interactive,
-                        dagster=identity, via="launcher", ttl_hours=ttl)  # fmt: skip
-    asked = (spec.config.get("secrets") or {})
+    ctx = LaunchContext(
+        cost_owner=cost_owner,
+        user=request.user,
+        step=step,
+        interactive=request.interactive,
+        dagster=identity,
+        via="launcher",
+        ttl_hours=ttl,
+    )
+    asked = spec.config.get("secrets") or {}
     own_secrets = {n: os.environ[n] for n in asked if n in fleet.secrets and os.environ.get(n)}
-    injected = Injected(env={**request.inputs, **request.env}, secrets={**own_secrets, **request.secrets}, require_secrets=True,
-                        sign_key=os.environ.get(LABEL_KEY_ENV) or None)  # fmt: skip
+    injected = Injected(
+        env={**request.inputs, **request.env},
+        secrets={**own_secrets, **request.secrets},
+        require_secrets=True,
+        sign_key=os.environ.get(LABEL_KEY_ENV) or None,
+    )
     try:
         ruled = apply_rules(spec.config, chosen, ctx, fleet, injected, source=spec.path)
     except LaunchConfigError as e:

@@ -108,30 +108,52 @@ class _Misfit:
     fix: str
 
 
-def _fit(spec: TaskSpec, cand: Candidate, pool: Pool, fleet: Fleet, user: str, usage: Usage) -> tuple[str | None, int] | _Misfit:
+def _fit(
+    spec: TaskSpec, cand: Candidate, pool: Pool, fleet: Fleet, user: str, usage: Usage
+) -> tuple[str | None, int] | _Misfit:
     """The GPU (or None for CPU-only) and per-node count ``cand`` gets on ``pool``, or why it does not fit."""
     from gpudoor_pipelines.launch.resolve.features import MULTI_NODE, unsupported
 
     nodes = spec.num_nodes
-    multi_node = _Misfit("num_nodes", f"{nodes} nodes on pool '{pool.name}', which has no multi-node interconnect", "use num_nodes: 1 or a multi-node pool")
+    multi_node = _Misfit(
+        "num_nodes",
+        f"{nodes} nodes on pool '{pool.name}', which has no multi-node interconnect",
+        "use num_nodes: 1 or a multi-node pool",
+    )
     needed = cand.features | ({MULTI_NODE} if nodes > 1 else set())
     missing = unsupported(pool, frozenset(needed))
     if cand.accelerator is None:
         if pool.name not in fleet.cpu_route:
-            return _Misfit("resources.accelerators", f"pool '{pool.name}' does not take CPU-only jobs", f"ask for a GPU or use one of cpu_route {list(fleet.cpu_route)}")
+            return _Misfit(
+                "resources.accelerators",
+                f"pool '{pool.name}' does not take CPU-only jobs",
+                f"ask for a GPU or use one of cpu_route {list(fleet.cpu_route)}",
+            )
         if nodes > 1 and not pool.multi_node:
             return multi_node
         if missing:
             return _feature_misfit(pool, missing)
         need, held, cap = spec.vcpus * nodes, usage.vcpus.get(pool.name, 0), pool.vcpu_cap
         if cap is not None and need > cap:
-            return _Misfit("resources.cpus", f"{need} vCPUs is over pool '{pool.name}' vCPU cap of {cap}", f"ask for at most {cap} vCPUs")
+            return _Misfit(
+                "resources.cpus",
+                f"{need} vCPUs is over pool '{pool.name}' vCPU cap of {cap}",
+                f"ask for at most {cap} vCPUs",
+            )
         if cap is not None and held + need > cap:
-            return _Misfit("resources.cpus", f"at its vCPU cap ({held}/{cap} vCPUs in use, {need} asked)", "wait for jobs to finish or ask for fewer vCPUs")
+            return _Misfit(
+                "resources.cpus",
+                f"at its vCPU cap ({held}/{cap} vCPUs in use, {need} asked)",
+                "wait for jobs to finish or ask for fewer vCPUs",
+            )
         return None, spec.vcpus
     gpu = pool.gpu_named(cand.accelerator)
     if gpu is None:
-        return _Misfit("resources.accelerators", f"pool '{pool.name}' has no {cand.accelerator} (it offers {list(pool.gpus)})", f"ask for one of {list(pool.gpus)}")
+        return _Misfit(
+            "resources.accelerators",
+            f"pool '{pool.name}' has no {cand.accelerator} (it offers {list(pool.gpus)})",
+            f"ask for one of {list(pool.gpus)}",
+        )
     if nodes > 1 and not pool.multi_node:
         return multi_node
     if missing:
@@ -141,23 +163,44 @@ def _fit(spec: TaskSpec, cand: Candidate, pool: Pool, fleet: Fleet, user: str, u
     # Usage is read back from job labels, where the user name is in its label form.
     held, mine = usage.gpus.get(pool.name, 0), usage.user_gpus.get((label_value(user), pool.name), 0)
     if total > pool.gpu_cap:
-        return _Misfit("resources.accelerators", f"{total} GPUs is over pool '{pool.name}' cap of {pool.gpu_cap}", f"ask for at most {pool.gpu_cap} GPUs")
+        return _Misfit(
+            "resources.accelerators",
+            f"{total} GPUs is over pool '{pool.name}' cap of {pool.gpu_cap}",
+            f"ask for at most {pool.gpu_cap} GPUs",
+        )
     if total > pool.user_gpu_cap:
-        return _Misfit("resources.accelerators", f"{total} GPUs is over pool '{pool.name}' per-user cap of {pool.user_gpu_cap}", f"ask for at most {pool.user_gpu_cap} GPUs")
+        return _Misfit(
+            "resources.accelerators",
+            f"{total} GPUs is over pool '{pool.name}' per-user cap of {pool.user_gpu_cap}",
+            f"ask for at most {pool.user_gpu_cap} GPUs",
+        )
     if held + total > pool.gpu_cap:
-        return _Misfit("resources.accelerators", f"at its cap ({held}/{pool.gpu_cap} GPUs in use, {total} asked)", "wait for jobs to finish, ask for fewer GPUs, or route to another pool")
+        return _Misfit(
+            "resources.accelerators",
+            f"at its cap ({held}/{pool.gpu_cap} GPUs in use, {total} asked)",
+            "wait for jobs to finish, ask for fewer GPUs, or route to another pool",
+        )
     if mine + total > pool.user_gpu_cap:
-        return _Misfit("resources.accelerators", f"user '{user}' holds {mine} GPUs on '{pool.name}'; with {total} more that is over the per-user cap of {pool.user_gpu_cap}", "wait for your jobs to finish or ask for fewer GPUs")
+        return _Misfit(
+            "resources.accelerators",
+            f"user '{user}' holds {mine} GPUs on '{pool.name}'; with {total} more that is over the per-user cap of {pool.user_gpu_cap}",
+            "wait for your jobs to finish or ask for fewer GPUs",
+        )
     return gpu, per_node
 
 
 def _feature_misfit(pool: Pool, missing: dict[str, str]) -> _Misfit:
     reasons = " ".join(why.rstrip(".") + "." for why in missing.values())
-    return _Misfit("resources", f"pool '{pool.name}' ({pool.infra}) cannot provide {', '.join(missing)}: {reasons}",
-                   f"drop {', '.join(missing)} or route to a pool that has it")  # fmt: skip
+    return _Misfit(
+        "resources",
+        f"pool '{pool.name}' ({pool.infra}) cannot provide {', '.join(missing)}: {reasons}",
+        f"drop {', '.join(missing)} or route to a pool that has it",
+    )
 
 
-def _route_to(spec: TaskSpec, pool: Pool, infra: str, reason: str, picked: tuple[str | None, int], cand: Candidate, skipped=()) -> Route:
+def _route_to(
+    spec: TaskSpec, pool: Pool, infra: str, reason: str, picked: tuple[str | None, int], cand: Candidate, skipped=()
+) -> Route:
     gpu, count = picked
     if gpu is None:
         return Route(pool, infra, None, 0, spec.num_nodes, reason, tuple(skipped), vcpus_per_node=count, candidate=cand)
@@ -219,8 +262,12 @@ def route(
     gpus = [c.accelerator for c in spec.candidates if c.accelerator]
     wanted = ", ".join(dict.fromkeys(c.describe() for c in spec.candidates))
     if gpus and not any(fleet.pools[p].gpu_named(g) for p in fleet.pools for g in gpus):
-        raise LaunchConfigError(spec.path, "resources.accelerators", f"no pool of the fleet offers {wanted}",
-                                f"ask for one of {sorted(fleet.all_gpus)}, or add a pool that has it to {fleet.source}")  # fmt: skip
+        raise LaunchConfigError(
+            spec.path,
+            "resources.accelerators",
+            f"no pool of the fleet offers {wanted}",
+            f"ask for one of {sorted(fleet.all_gpus)}, or add a pool that has it to {fleet.source}",
+        )
 
     def explicit(p: Pool, where: str, reason: str) -> Route:
         misfits = []
@@ -235,11 +282,17 @@ def route(
     if infra:
         p = fleet.pools.get(pool or "") if pool else fleet.pool_for_infra(infra)
         if pool and (p is None or not p.owns_infra(infra)):
-            raise LaunchConfigError(*infra_field, f"'{infra}' does not belong to pool '{pool}'",
-                                    f"drop one of the two overrides, or use pool '{pool}''s infra {p.infra if p else '(unknown pool)'}")  # fmt: skip
+            raise LaunchConfigError(
+                *infra_field,
+                f"'{infra}' does not belong to pool '{pool}'",
+                f"drop one of the two overrides, or use pool '{pool}''s infra {p.infra if p else '(unknown pool)'}",
+            )
         if p is None:
-            raise LaunchConfigError(*infra_field, f"'{infra}' is not a pool of the fleet ({fleet.source})",
-                                    f"use one of {[q.infra for q in fleet.pools.values()]} (a partition may follow, e.g. slurm/onprem/debug)")  # fmt: skip
+            raise LaunchConfigError(
+                *infra_field,
+                f"'{infra}' is not a pool of the fleet ({fleet.source})",
+                f"use one of {[q.infra for q in fleet.pools.values()]} (a partition may follow, e.g. slurm/onprem/debug)",
+            )
         return explicit(p, infra, f"infra override '{infra}'")
     if pool:
         p = fleet.pool(pool, field="pool override")
@@ -247,14 +300,22 @@ def route(
 
     if step:
         if step not in fleet.routes:
-            raise LaunchConfigError(spec.path, "step", f"the fleet has no route for step '{step}'",
-                                    f"use one of {sorted(fleet.routes)}{did_you_mean(step, fleet.routes)}, or launch without a step to route by GPU")  # fmt: skip
+            raise LaunchConfigError(
+                spec.path,
+                "step",
+                f"the fleet has no route for step '{step}'",
+                f"use one of {sorted(fleet.routes)}{did_you_mean(step, fleet.routes)}, or launch without a step to route by GPU",
+            )
         candidates, why = [fleet.pools[n] for n in fleet.routes[step]], f"route for step '{step}'"
     elif spec.is_cpu_only:
         candidates, why = [fleet.pools[n] for n in fleet.cpu_route], "CPU-only route"
         if not candidates:
-            raise LaunchConfigError(spec.path, "resources.accelerators", f"the job asks for no GPU and no pool of {fleet.source} takes CPU-only jobs",
-                                    f"ask for a GPU, or list the pools that take CPU jobs under cpu_route in {fleet.source}")  # fmt: skip
+            raise LaunchConfigError(
+                spec.path,
+                "resources.accelerators",
+                f"the job asks for no GPU and no pool of {fleet.source} takes CPU-only jobs",
+                f"ask for a GPU, or list the pools that take CPU jobs under cpu_route in {fleet.source}",
+            )
     else:
         candidates, why = fleet.pools_for_gpus(gpus), f"pools offering {wanted}"
 
@@ -272,8 +333,12 @@ def route(
         return _route_to(spec, p, p.infra, why, picked, cand, skipped)
     names = [p.name for p in candidates]
     if not skipped:
-        raise LaunchConfigError(spec.path, "resources.accelerators", f"no pool on the {why} {names} offers {wanted}",
-                                f"ask for one of the GPUs of {names}, or launch without a step to route by GPU")  # fmt: skip
+        raise LaunchConfigError(
+            spec.path,
+            "resources.accelerators",
+            f"no pool on the {why} {names} offers {wanted}",
+            f"ask for one of the GPUs of {names}, or launch without a step to route by GPU",
+        )
     field = "resources.accelerators"
     if all(m.field == "num_nodes" for m in misfits):
         multi = sorted({g for q in fleet.pools.values() if q.multi_node for g in q.gpus})

@@ -110,7 +110,9 @@ class LaunchContext:
         return {k: label_value(v) for k, v in out.items()}
 
     @classmethod
-    def from_labels(cls, labels: Mapping[str, str], *, user: str | None = None, interactive: bool = False) -> LaunchContext:
+    def from_labels(
+        cls, labels: Mapping[str, str], *, user: str | None = None, interactive: bool = False
+    ) -> LaunchContext:
         """Reads back what :meth:`labels` wrote; ``user`` and ``interactive`` from the request win."""
         dagster = {k.replace("dagster-", "dagster/", 1): v for k, v in labels.items() if k.startswith("dagster-")}
         return cls(
@@ -192,7 +194,11 @@ def cost_owner_rule(d: Draft) -> None:
     if not d.ctx.cost_owner:
         d.reject(f"labels.{LABEL_COST_OWNER}", "no cost owner", f"set the cost owner (one of {owners})")
     elif owners and d.ctx.cost_owner not in owners:
-        d.reject(f"labels.{LABEL_COST_OWNER}", f"unknown cost owner '{d.ctx.cost_owner}'", f"use one of {owners} or add it to cost_owners in {d.fleet.source}")
+        d.reject(
+            f"labels.{LABEL_COST_OWNER}",
+            f"unknown cost owner '{d.ctx.cost_owner}'",
+            f"use one of {owners} or add it to cost_owners in {d.fleet.source}",
+        )
 
 
 def placement_rule(d: Draft) -> None:
@@ -200,7 +206,9 @@ def placement_rule(d: Draft) -> None:
     for key in ("any_of", "ordered", "accelerators", "use_spot"):
         d.resources.pop(key, None)
     if d.route.candidate is not None:
-        d.resources.update({k: copy.deepcopy(v) for k, v in d.route.candidate.fields if k not in ("accelerators", "labels")})
+        d.resources.update(
+            {k: copy.deepcopy(v) for k, v in d.route.candidate.fields if k not in ("accelerators", "labels")}
+        )
     d.resources["infra"] = d.route.infra
     if d.route.accelerators:
         d.resources["accelerators"] = d.route.accelerators
@@ -213,10 +221,16 @@ def priority_class_rule(d: Draft) -> None:
     wanted = d.route.pool.priority_class
     if not wanted:
         return
-    pod_spec = d.task.setdefault("config", {}).setdefault("kubernetes", {}).setdefault("pod_config", {}).setdefault("spec", {})
+    pod_spec = (
+        d.task.setdefault("config", {}).setdefault("kubernetes", {}).setdefault("pod_config", {}).setdefault("spec", {})
+    )
     asked = pod_spec.get("priorityClassName")
     if asked not in (None, wanted):
-        d.reject(PRIORITY_FIELD, f"'{asked}' on production pool '{d.route.pool.name}'", f"remove it; research jobs on this pool run at priority class '{wanted}'")
+        d.reject(
+            PRIORITY_FIELD,
+            f"'{asked}' on production pool '{d.route.pool.name}'",
+            f"remove it; research jobs on this pool run at priority class '{wanted}'",
+        )
     pod_spec["priorityClassName"] = wanted
     d.notes.append(f"priority class '{wanted}' (production pool)")
 
@@ -236,8 +250,11 @@ def ttl_rule(d: Draft) -> None:
     policy = d.fleet.reconciler
     asked = d.ctx.ttl_hours
     if asked is not None and not 0 < asked <= policy.max_interactive_ttl_hours:
-        d.reject(f"labels.{LABEL_TTL}", f"a time to live of {asked:g} hours",
-                 f"ask for more than 0 and at most {policy.max_interactive_ttl_hours:g} hours (reconciler.max_interactive_ttl_hours in {d.fleet.source})")  # fmt: skip
+        d.reject(
+            f"labels.{LABEL_TTL}",
+            f"a time to live of {asked:g} hours",
+            f"ask for more than 0 and at most {policy.max_interactive_ttl_hours:g} hours (reconciler.max_interactive_ttl_hours in {d.fleet.source})",
+        )
     hours = asked if asked is not None else policy.interactive_ttl_hours
     d.notes.append(f"torn down {hours:g} hours after launch (interactive cluster)")
 
@@ -248,7 +265,11 @@ def labels_rule(d: Draft) -> None:
     The door's own labels (``gpudoor-*``, ``dagster-*``) come from the launch context only; a task's
     own values for them are dropped (its cost owner was read into the context before).
     """
-    own = {str(k): v for k, v in (d.resources.get("labels") or {}).items() if not str(k).startswith(("gpudoor-", "dagster-"))}
+    own = {
+        str(k): v
+        for k, v in (d.resources.get("labels") or {}).items()
+        if not str(k).startswith(("gpudoor-", "dagster-"))
+    }
     ours = d.ctx.labels()
     if d.ctx.via:
         ours[LABEL_VIA] = label_value(d.ctx.via)
@@ -284,23 +305,36 @@ def secrets_rule(d: Draft) -> None:
     allowed = set(d.fleet.secrets) | set(TRANSIT_SECRET_NAMES)
     for name in asked:
         if name not in allowed:
-            d.reject(f"secrets.{name}", f"'{name}' is not a secret jobs may ask for",
-                     f"use one of {sorted(d.fleet.secrets)}, or ask the fleet's admins to add it to `secrets` in {d.fleet.source}")  # fmt: skip
+            d.reject(
+                f"secrets.{name}",
+                f"'{name}' is not a secret jobs may ask for",
+                f"use one of {sorted(d.fleet.secrets)}, or ask the fleet's admins to add it to `secrets` in {d.fleet.source}",
+            )
     filled = {k: v for k, v in asked.items() if v not in (None, "")}
     for name, value in d.injected.secrets.items():
         if not (d.injected.fill_only and filled.get(name)) and value:
             filled[name] = value
     missing = sorted(k for k in asked if k in allowed and not filled.get(k))
     if missing and d.injected.require_secrets:
-        d.reject(f"secrets.{missing[0]}", f"no value for {', '.join(missing)}",
-                 "set it in the launcher's environment, or as GPUDOOR_POLICY_<NAME> on the API server")  # fmt: skip
+        d.reject(
+            f"secrets.{missing[0]}",
+            f"no value for {', '.join(missing)}",
+            "set it in the launcher's environment, or as GPUDOOR_POLICY_<NAME> on the API server",
+        )
     if filled or asked:
         d.task["secrets"] = {k: filled.get(k) for k in {**asked, **filled}}
 
 
 RULES: tuple[Callable[[Draft], None], ...] = (
-    cost_owner_rule, placement_rule, priority_class_rule, autostop_rule, ttl_rule, labels_rule, env_rule, secrets_rule,
-)  # fmt: skip
+    cost_owner_rule,
+    placement_rule,
+    priority_class_rule,
+    autostop_rule,
+    ttl_rule,
+    labels_rule,
+    env_rule,
+    secrets_rule,
+)
 
 
 def apply_rules(

@@ -23,10 +23,23 @@ from gpudoor_pipelines.launch.resolve.fleet import DEFAULT_SPECS_DIR, Fleet
 # Top-level fields of a SkyPilot task (sky/utils/schemas.py:get_task_schema, 0.14.1).
 SKYPILOT_TASK_FIELDS = frozenset(
     {
-        "name", "workdir", "event_callback", "num_nodes", "resources", "file_mounts", "service", "pool",
-        "setup", "run", "envs", "secrets", "volumes", "config", "_user_specified_yaml",
+        "name",
+        "workdir",
+        "event_callback",
+        "num_nodes",
+        "resources",
+        "file_mounts",
+        "service",
+        "pool",
+        "setup",
+        "run",
+        "envs",
+        "secrets",
+        "volumes",
+        "config",
+        "_user_specified_yaml",
     }
-)  # fmt: skip
+)
 _FORBIDDEN_TOP = {
     "file_mounts": "data crosses clusters only through the transit bucket: the launcher passes input and output URIs as env",
     "volumes": "per-cluster paths are injected by the fleet (the pool's `env` in task_specs/fleet.yaml)",
@@ -34,7 +47,9 @@ _FORBIDDEN_TOP = {
 }
 _PATHLIKE = re.compile(r"^(/|~|[a-z0-9]+://)", re.IGNORECASE)
 #: Whole parts of an env name that mark a credential (``HF_TOKEN``, ``WANDB_API_KEY``; not ``MAX_TOKENS``).
-CREDENTIAL_NAME_PARTS = frozenset({"TOKEN", "KEY", "SECRET", "SECRETS", "PASSWORD", "PASSWD", "CREDENTIAL", "CREDENTIALS"})
+CREDENTIAL_NAME_PARTS = frozenset(
+    {"TOKEN", "KEY", "SECRET", "SECRETS", "PASSWORD", "PASSWD", "CREDENTIAL", "CREDENTIALS"}
+)
 
 
 def looks_like_credential(name: str) -> bool:
@@ -200,7 +215,9 @@ def parse_cpus(value: Any, source: str = "(spec)") -> int:
     except ValueError:
         count = -1
     if count <= 0:
-        raise LaunchConfigError(source, "resources.cpus", f"cannot read {value!r}", "write e.g. `cpus: 8+` or `cpus: 4`")
+        raise LaunchConfigError(
+            source, "resources.cpus", f"cannot read {value!r}", "write e.g. `cpus: 8+` or `cpus: 4`"
+        )
     return max(1, int(count))
 
 
@@ -209,7 +226,9 @@ def _split_accel(text: str) -> tuple[str, Any]:
     return name.strip(), (count.strip() or 1)
 
 
-def task_problems(config: Any, source: str, *, launcher_inputs: bool = False, from_file: bool = True) -> list[LaunchConfigError]:
+def task_problems(
+    config: Any, source: str, *, launcher_inputs: bool = False, from_file: bool = True
+) -> list[LaunchConfigError]:
     """Every problem of a task file the door refuses, without SkyPilot: the same on client and server.
 
     Args:
@@ -223,7 +242,11 @@ def task_problems(config: Any, source: str, *, launcher_inputs: bool = False, fr
             always carry values: from the file or from ``--secret``, which it cannot tell apart).
     """
     if not isinstance(config, dict):
-        return [LaunchConfigError(source, "(top level)", "a task spec must be a YAML mapping", "see task_specs/caption.yaml")]
+        return [
+            LaunchConfigError(
+                source, "(top level)", "a task spec must be a YAML mapping", "see task_specs/caption.yaml"
+            )
+        ]
     problems: list[LaunchConfigError] = []
 
     def add(field: str, problem: str, fix: str) -> None:
@@ -235,7 +258,11 @@ def task_problems(config: Any, source: str, *, launcher_inputs: bool = False, fr
         if key not in SKYPILOT_TASK_FIELDS:
             if from_file:  # a task the server received was already checked by SkyPilot's schema
                 close = difflib.get_close_matches(str(key), sorted(SKYPILOT_TASK_FIELDS), n=1)
-                hint = f"did you mean '{close[0]}'?" if close else f"known fields: {sorted(SKYPILOT_TASK_FIELDS - {'_user_specified_yaml'})}"
+                hint = (
+                    f"did you mean '{close[0]}'?"
+                    if close
+                    else f"known fields: {sorted(SKYPILOT_TASK_FIELDS - {'_user_specified_yaml'})}"
+                )
                 add(str(key), "unknown field in a SkyPilot task", f"remove it; {hint}")
         elif key == "service" and isinstance(config[key], dict) and set(config[key]) == {"pool"}:
             continue  # a managed-job pool: SkyPilot writes a pool's `pool:` section as `service: {pool: ...}`
@@ -243,7 +270,11 @@ def task_problems(config: Any, source: str, *, launcher_inputs: bool = False, fr
             # (On its way to a pool's workers, SkyPilot turns the launcher's workdir into file mounts.)
             add(key, "not taken by the door", f"remove it: {_FORBIDDEN_TOP[key]}")
     if isinstance(config.get("workdir"), dict):
-        add("workdir", "a git workdir is not synced by the door", "clone the repository in `setup`, or use a local folder as workdir")
+        add(
+            "workdir",
+            "a git workdir is not synced by the door",
+            "clone the repository in `setup`, or use a local folder as workdir",
+        )
     resources = config.get("resources") or {}
     if not isinstance(resources, dict):
         add("resources", "must be a mapping", "write resources as `accelerators: H100:1` etc.")
@@ -252,7 +283,10 @@ def task_problems(config: Any, source: str, *, launcher_inputs: bool = False, fr
     for key in ("any_of", "ordered"):
         entries += [(f"resources.{key}[{i}]", e) for i, e in enumerate(resources.get(key) or []) if isinstance(e, dict)]
     for where, entry in entries:
-        for bad in (_accel_problem(entry.get("accelerators"), source, f"{where}.accelerators"), _cpus_problem(entry.get("cpus"), source, f"{where}.cpus")):
+        for bad in (
+            _accel_problem(entry.get("accelerators"), source, f"{where}.accelerators"),
+            _cpus_problem(entry.get("cpus"), source, f"{where}.cpus"),
+        ):
             if bad:
                 problems.append(bad)
     secrets = config.get("secrets") or {}
@@ -261,8 +295,11 @@ def task_problems(config: Any, source: str, *, launcher_inputs: bool = False, fr
     elif from_file:
         for name, value in secrets.items():
             if value not in (None, ""):
-                add(f"secrets.{name}", "holds a value: a secret never lives in a task file",
-                    f"write `{name}: null`; the value comes from the launcher's environment")  # fmt: skip
+                add(
+                    f"secrets.{name}",
+                    "holds a value: a secret never lives in a task file",
+                    f"write `{name}: null`; the value comes from the launcher's environment",
+                )
     num_nodes = config.get("num_nodes", 1)
     if not isinstance(num_nodes, int) or num_nodes < 1:
         add("num_nodes", f"{num_nodes!r} is not a positive whole number", "use e.g. `num_nodes: 2`")
@@ -272,8 +309,12 @@ def task_problems(config: Any, source: str, *, launcher_inputs: bool = False, fr
         envs = {}
     for name, value in envs.items():
         if looks_like_credential(name):
-            add(f"envs.{name}", "looks like a credential", "declare it under `secrets:` with no value (`secrets: {NAME: null}`); "
-                "the fleet lists the secrets a job may ask for, and the value comes from the launcher's environment")  # fmt: skip
+            add(
+                f"envs.{name}",
+                "looks like a credential",
+                "declare it under `secrets:` with no value (`secrets: {NAME: null}`); "
+                "the fleet lists the secrets a job may ask for, and the value comes from the launcher's environment",
+            )
         elif (
             not launcher_inputs
             and value is not None
@@ -281,8 +322,11 @@ def task_problems(config: Any, source: str, *, launcher_inputs: bool = False, fr
             # SkyPilot's client adds its own settings (the API server's URL) to a task it sends.
             and (from_file or not name.startswith("SKYPILOT_"))
         ):
-            add(f"envs.{name}", f"holds a path or URI ({value!r})",
-                "remove it: per-cluster paths come from the pool's `env` in task_specs/fleet.yaml, data URIs from the launcher")  # fmt: skip
+            add(
+                f"envs.{name}",
+                f"holds a path or URI ({value!r})",
+                "remove it: per-cluster paths come from the pool's `env` in task_specs/fleet.yaml, data URIs from the launcher",
+            )
     return problems
 
 
@@ -308,12 +352,25 @@ def task_infra(resources: dict[str, Any], source: str, fleet: Fleet, problems: l
     if not found:
         return None
     if len(found) > 1:
-        problems.append(LaunchConfigError(source, "resources.infra", f"the candidates name different infras {found}", "remove infra: the route picks the pool"))
+        problems.append(
+            LaunchConfigError(
+                source,
+                "resources.infra",
+                f"the candidates name different infras {found}",
+                "remove infra: the route picks the pool",
+            )
+        )
         return None
     infra = found[0]
     if fleet.pool_for_infra(infra) is None:
-        problems.append(LaunchConfigError(source, "resources.infra", f"'{infra}' is not a pool of the fleet ({fleet.source})",
-                                          f"remove it: the route picks the pool (or name one of {[p.infra for p in fleet.pools.values()]})"))  # fmt: skip
+        problems.append(
+            LaunchConfigError(
+                source,
+                "resources.infra",
+                f"'{infra}' is not a pool of the fleet ({fleet.source})",
+                f"remove it: the route picks the pool (or name one of {[p.infra for p in fleet.pools.values()]})",
+            )
+        )
         return None
     return infra
 
@@ -368,12 +425,16 @@ def sky_candidates(resources: dict[str, Any], source: str = "(spec)") -> tuple[C
             parsed = sky.Resources.from_yaml_config(copy.deepcopy({**base, **dict(entry)}))
         except Exception as e:  # SkyPilot raises ValueError and its own errors alike.
             message = " ".join(str(e).split())[:400]
-            raise LaunchConfigError(source, "resources", f"SkyPilot cannot read the resources: {message}", "correct them as SkyPilot says") from None
+            raise LaunchConfigError(
+                source, "resources", f"SkyPilot cannot read the resources: {message}", "correct them as SkyPilot says"
+            ) from None
         found = []
         for r in parsed:
-            (gpu, count), = (r.accelerators or {None: 0}).items()
+            ((gpu, count),) = (r.accelerators or {None: 0}).items()
             features = frozenset(f.value for f in r.get_required_cloud_features())
-            found.append(Candidate(gpu, count, bool(r.use_spot), features, tuple(sorted(own.items(), key=lambda kv: kv[0]))))
+            found.append(
+                Candidate(gpu, count, bool(r.use_spot), features, tuple(sorted(own.items(), key=lambda kv: kv[0])))
+            )
         if isinstance(parsed, set):
             found.sort(key=_candidate_key)
         out += found
@@ -437,8 +498,12 @@ def _load_cached(path: str, mtime: float, kind: str, skypilot: bool) -> TaskSpec
         except yaml.YAMLError as e:
             raise LaunchConfigError(path, "(yaml)", f"not valid YAML: {e}", "fix the YAML syntax") from None
     if len(documents) > 1:
-        raise LaunchConfigError(path, "(documents)", f"{len(documents)} YAML documents: a pipeline or job group",
-                                "pipelines and job groups are not supported yet; launch each task on its own")  # fmt: skip
+        raise LaunchConfigError(
+            path,
+            "(documents)",
+            f"{len(documents)} YAML documents: a pipeline or job group",
+            "pipelines and job groups are not supported yet; launch each task on its own",
+        )
     raw = documents[0] if documents else None
     problems = task_problems(raw, path)
     if not isinstance(raw, dict):
@@ -452,7 +517,12 @@ def _load_cached(path: str, mtime: float, kind: str, skypilot: bool) -> TaskSpec
 
 
 def load_spec(
-    name_or_path: str | Path, specs_dir: str | Path | None = None, kind: str | None = None, *, skypilot: bool = False, strict: bool = True
+    name_or_path: str | Path,
+    specs_dir: str | Path | None = None,
+    kind: str | None = None,
+    *,
+    skypilot: bool = False,
+    strict: bool = True,
 ) -> TaskSpec:
     """Loads a task spec and checks it, once per file version (cached by path and modification time).
 
@@ -469,9 +539,7 @@ def load_spec(
     """
     p = spec_path(name_or_path, specs_dir)
     if not p.is_file():
-        raise LaunchConfigError(
-            str(p), "(file)", "expected task spec does not exist", f"create {p.name} in {p.parent}"
-        )
+        raise LaunchConfigError(str(p), "(file)", "expected task spec does not exist", f"create {p.name} in {p.parent}")
     spec = _load_cached(str(p.resolve()), p.stat().st_mtime, kind or p.stem, skypilot)
     if strict and spec.problems:
         raise LaunchConfigError.combine(list(spec.problems))

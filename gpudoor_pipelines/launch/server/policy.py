@@ -161,12 +161,19 @@ def mutate_config(
     problems = task_problems(config, source, launcher_inputs=ctx.via in ("launcher", "policy"), from_file=False)
     spec = TaskSpec(path=source, kind=str(config.get("name") or "task"), config=config)
     # What the launcher does for a task file that names no cost owner; the task is now checked by the policy.
-    ctx = dataclasses.replace(ctx, cost_owner=ctx.cost_owner or fleet.default_cost_owner or None, via=ctx.via or "policy")
+    ctx = dataclasses.replace(
+        ctx, cost_owner=ctx.cost_owner or fleet.default_cost_owner or None, via=ctx.via or "policy"
+    )
     infra = task_infra(resources, source, fleet, problems)
     # Two pools may share one cluster: the pool the client routed to, when it owns the infra, stays.
     pool = fleet.pools.get(labels.get(LABEL_POOL, ""))
-    where = dict(step=ctx.step, infra=infra, pool=pool.name if pool and infra and pool.owns_infra(infra) else None,
-                 user=ctx.user, infra_field=(source, "resources.infra"))  # fmt: skip
+    where = dict(
+        step=ctx.step,
+        infra=infra,
+        pool=pool.name if pool and infra and pool.owns_infra(infra) else None,
+        user=ctx.user,
+        infra_field=(source, "resources.infra"),
+    )
     try:
         chosen = route(spec, fleet, usage=usage, **where)
     except LaunchConfigError as e:
@@ -176,14 +183,24 @@ def mutate_config(
             except LaunchConfigError:
                 fits = None
             if fits is not None:  # it fits its pool, only not with what is held now
-                raise PoolFull(fits.pool.name, source, "resources.accelerators", e.problem,
-                               "wait for jobs to finish, or route to another pool") from None  # fmt: skip
+                raise PoolFull(
+                    fits.pool.name,
+                    source,
+                    "resources.accelerators",
+                    e.problem,
+                    "wait for jobs to finish, or route to another pool",
+                ) from None
         raise LaunchConfigError.combine([*problems, e]) from None
     injected = Injected(sign_key=sign_key)
     if not at_client_side:  # only the server holds these; a client-side pass leaves them to it
         secrets = {**_server_values(SECRET_ENV_VARS), **_server_values(tuple(fleet.secrets))}
-        injected = Injected(env=_server_values(TRANSIT_ENV_VARS), secrets=secrets, fill_only=True, require_secrets=True,
-                            sign_key=sign_key)  # fmt: skip
+        injected = Injected(
+            env=_server_values(TRANSIT_ENV_VARS),
+            secrets=secrets,
+            fill_only=True,
+            require_secrets=True,
+            sign_key=sign_key,
+        )
     try:
         mutated = apply_rules(config, chosen, ctx, fleet, injected, source=source).config
     except LaunchConfigError as e:
@@ -234,8 +251,11 @@ def _step_clusters() -> list[dict[str, Any]]:
     """The door's step clusters (``gpudoor-step-…``), as the server's cluster table has them."""
     from sky import global_user_state
 
-    return [r for r in global_user_state.get_clusters(exclude_managed_clusters=True)
-            if str(r.get("name") or "").startswith(STEP_CLUSTER_PREFIX)]  # fmt: skip
+    return [
+        r
+        for r in global_user_state.get_clusters(exclude_managed_clusters=True)
+        if str(r.get("name") or "").startswith(STEP_CLUSTER_PREFIX)
+    ]
 
 
 def _onto_warm_pool() -> bool:
@@ -256,7 +276,9 @@ def _held_to_caps(user_request: sky.UserRequest) -> bool:
     """A managed-job launch, or the launch of a door step cluster (a step the fleet launches as a cluster)."""
     if user_request.request_name == AdminPolicyRequestName.JOBS_LAUNCH:
         return True
-    return user_request.request_name == AdminPolicyRequestName.CLUSTER_LAUNCH and _cluster_name(user_request).startswith(STEP_CLUSTER_PREFIX)
+    return user_request.request_name == AdminPolicyRequestName.CLUSTER_LAUNCH and _cluster_name(
+        user_request
+    ).startswith(STEP_CLUSTER_PREFIX)
 
 
 def _cluster_name(user_request: sky.UserRequest) -> str:
@@ -277,9 +299,13 @@ def _live_usage(user_request: sky.UserRequest, fleet: Fleet) -> Usage | None:
     if usage is not None and _onto_warm_pool():
         return None
     if usage is None and fleet.live_caps == "server":
-        raise LaunchConfigError(fleet.source, "live_caps", "the API server cannot count what is held: its jobs controller "
-                                "does not run in consolidation mode", "set live_caps: launcher, or run the jobs controller "
-                                "in consolidation mode (jobs.controller.consolidation_mode: true)")  # fmt: skip
+        raise LaunchConfigError(
+            fleet.source,
+            "live_caps",
+            "the API server cannot count what is held: its jobs controller does not run in consolidation mode",
+            "set live_caps: launcher, or run the jobs controller "
+            "in consolidation mode (jobs.controller.consolidation_mode: true)",
+        )
     return usage
 
 
@@ -303,8 +329,10 @@ class GpuDoorPolicy(sky.AdminPolicy):
                 task_config(task, source),
                 fleet,
                 # A cluster is interactive (autostop, a time to live), unless it is a door step cluster.
-                interactive=(user_request.request_name == AdminPolicyRequestName.CLUSTER_LAUNCH
-                             and not cluster_name.startswith(STEP_CLUSTER_PREFIX))
+                interactive=(
+                    user_request.request_name == AdminPolicyRequestName.CLUSTER_LAUNCH
+                    and not cluster_name.startswith(STEP_CLUSTER_PREFIX)
+                )
                 or cluster_name.startswith(INTERACTIVE_PREFIXES),
                 user=None if user_request.at_client_side or not user_request.user else user_request.user.name,
                 at_client_side=user_request.at_client_side,
