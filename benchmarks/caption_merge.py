@@ -241,19 +241,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nproduct at {big:,d} vs product at {big // 100:,d} captions (the baseline):")
     print(f"  time per caption {time_ratio:5.2f}x")
     print(
-        f"  peak RSS         {large['peak'] / small['peak']:5.2f}x  ({_above(small)} -> {_above(large)} above the imports)"
+        f"  peak RSS         {large['peak'] / small['peak']:5.2f}x  ({_above(small)} -> {_above(large)} above the "
+        "imports)"
     )
     small, large = pandas[old // 10], pandas[old]
     print(f"pandas at {old:,d} vs pandas at {old // 10:,d} captions:")
     print(
-        f"  peak RSS         {large['peak'] / small['peak']:5.2f}x  ({_above(small)} -> {_above(large)} above the imports)"
+        f"  peak RSS         {large['peak'] / small['peak']:5.2f}x  ({_above(small)} -> {_above(large)} above the "
+        "imports)"
     )
     for name, result, captions in (("pandas", pandas[old], old), ("json", json_case, args.json_captions)):
         ours = product[captions]
         print(f"{name} vs product, both at {captions:,d} captions:")
         print(f"  time             {result['seconds'] / ours['seconds']:5.2f}x")
         print(
-            f"  peak RSS         {result['peak'] / ours['peak']:5.2f}x  ({_above(result)} vs {_above(ours)} above the imports)"
+            f"  peak RSS         {result['peak'] / ours['peak']:5.2f}x  ({_above(result)} vs {_above(ours)} above the "
+            "imports)"
         )
     return 0
 

@@ -172,14 +172,16 @@ def main() -> None:
         )
     base, full = results
     print(
-        f"ratios full/baseline: orchestrator CPU per shard {full['orchestrator_cpu_s_per_shard'] / base['orchestrator_cpu_s_per_shard']:.2f}, "
+        "ratios full/baseline: orchestrator CPU per shard "
+        f"{full['orchestrator_cpu_s_per_shard'] / base['orchestrator_cpu_s_per_shard']:.2f}, "
         f"wall per shard {full['wall_s'] / full['shards'] / (base['wall_s'] / base['shards']):.2f}"
     )
 
     small_load, big_load = definitions_load(10), definitions_load(10_000)
     print(
         f"definitions load: {small_load['load_s']:.3f} s with 10 shards, {big_load['load_s']:.3f} s with 10,000 "
-        f"(ratio {big_load['load_s'] / small_load['load_s']:.2f}); nightly tick {small_load['tick_s'] * 1000:.0f} ms vs "
+        f"(ratio {big_load['load_s'] / small_load['load_s']:.2f}); nightly tick {small_load['tick_s'] * 1000:.0f} ms "
+        "vs "
         f"{big_load['tick_s'] * 1000:.0f} ms",
         flush=True,
     )

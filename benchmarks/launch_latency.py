@@ -212,13 +212,16 @@ def main() -> int:
             print("end to end, a 5-second task, once each:")
             print(f"  sky.launch + tail_logs + sky.down          : {ltd:6.2f} s")
             print(
-                f"  bare sky.jobs.launch, polled to its end    : {managed:6.2f} s  ({managed / ltd:.2f}x launch-tail-down)"
+                f"  bare sky.jobs.launch, polled to its end    : {managed:6.2f} s  ({managed / ltd:.2f}x "
+                "launch-tail-down)"
             )
             print(
-                f"  door (managed job), asset -> materialized  : {door:6.2f} s  ({door / ltd:.2f}x launch-tail-down, {door / managed:.2f}x bare managed)"
+                f"  door (managed job), asset -> materialized  : {door:6.2f} s  ({door / ltd:.2f}x launch-tail-down, "
+                f"{door / managed:.2f}x bare managed)"
             )
             print(
-                f"  door (step cluster), asset -> materialized : {clustered:6.2f} s  ({clustered / ltd:.2f}x launch-tail-down); "
+                f"  door (step cluster), asset -> materialized : {clustered:6.2f} s  ({clustered / ltd:.2f}x "
+                "launch-tail-down); "
                 f"its cluster gone {gone:6.2f} s after asset start ({gone / ltd:.2f}x)"
             )
     return 0

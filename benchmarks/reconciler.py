@@ -164,7 +164,8 @@ def main() -> None:
     for r in (base, big):
         print(
             f"{r['jobs']:>7,} unfinished jobs ({r['jobs'] // JOBS_PER_RUN:,} runs): tick {r['seconds']:6.2f} s, "
-            f"{r['per_job_us']:7.1f} us per job, {r['requests']} SDK requests, {r['released']:,} released (every failed run's job)"
+            f"{r['per_job_us']:7.1f} us per job, {r['requests']} SDK requests, {r['released']:,} released (every "
+            "failed run's job)"
         )
     print(
         f"time per job at {args.jobs:,} vs {args.baseline_jobs:,} jobs: {big['per_job_us'] / base['per_job_us']:.2f}x"

@@ -102,8 +102,9 @@ def _run(case: str, steps: int, job_seconds: float, stagger: float) -> dict:
     from gpudoor_pipelines.launch import watch
     from gpudoor_pipelines.launch.backends import sky_sdk
     from gpudoor_pipelines.launch.backends import skypilot as skypilot_backend
+    from gpudoor_pipelines.launch.config import LaunchSettings
     from gpudoor_pipelines.launch.job import JobState
-    from gpudoor_pipelines.launch.launcher import Launcher, LaunchSettings
+    from gpudoor_pipelines.launch.launcher import Launcher
     from gpudoor_pipelines.launch.resolve.fleet import load_fleet
 
     fake = TimedSky(job_seconds)
@@ -172,7 +173,8 @@ def main() -> None:
         f"({before['per_job_minute'] / after['per_job_minute']:.0f}x fewer)"
     )
     print(
-        f"requests per job-minute, one step per process vs before: {alone['per_job_minute'] / before['per_job_minute']:.3f}x "
+        "requests per job-minute, one step per process vs before: "
+        f"{alone['per_job_minute'] / before['per_job_minute']:.3f}x "
         f"({before['per_job_minute'] / alone['per_job_minute']:.0f}x fewer)"
     )
 

@@ -11,9 +11,12 @@ machine: the local backend and a transit bucket in a local folder.
 | ``SKYPILOT_SERVICE_ACCOUNT_TOKEN`` | a SkyPilot service-account token, if the server needs one |
 | ``GPUDOOR_COST_OWNER`` | cost owner label for every job (default: the fleet's default) |
 | ``GPUDOOR_HOME`` | state folder of the embedded default (default ``~/.gpudoor``) |
-| ``GPUDOOR_USER`` | who launches, for labels and per-user caps (an agent's or service's name; default: the service account, else the OS user) |
-| ``GPUDOOR_LABEL_KEY`` | the deployment's key: jobs' run identity labels are signed with it (the API server checks them with ``GPUDOOR_POLICY_LABEL_KEY``, the orphan reconciler trusts only signed ones) |
-| ``GPUDOOR_DEPLOYMENT`` | this Dagster deployment's name on its jobs (default: Dagster+'s deployment name, else ``default``); each deployment's orphan reconciler judges only its own jobs |
+| ``GPUDOOR_USER`` | who launches, for labels and per-user caps (an agent's or service's name; default: |
+| | the service account, else the OS user) |
+| ``GPUDOOR_LABEL_KEY`` | the deployment's key: jobs' run identity labels are signed with it (the API server |
+| | checks them with ``GPUDOOR_POLICY_LABEL_KEY``, the orphan reconciler trusts only signed ones) |
+| ``GPUDOOR_DEPLOYMENT`` | this Dagster deployment's name on its jobs (default: Dagster+'s deployment name, |
+| | else ``default``); each deployment's orphan reconciler judges only its own jobs |
 | ``GPUDOOR_TRANSIT`` and ``GPUDOOR_S3_*`` | the transit bucket (see ``gpudoor_pipelines.transit.resource``) |
 """
 
@@ -25,7 +28,7 @@ from typing import Any
 import dagster as dg
 
 from gpudoor_pipelines.launch.client import PipesSkyPilotClient
-from gpudoor_pipelines.launch.launcher import ENV_SETTINGS
+from gpudoor_pipelines.launch.config import ENV_SETTINGS
 from gpudoor_pipelines.transit.io_manager import TransitIOManager
 from gpudoor_pipelines.transit.resource import bucket_from_env
 

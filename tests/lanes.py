@@ -236,7 +236,8 @@ def summary(lane_list: list[Lane], reports: Path, outcome: Outcome) -> str:
         c = outcome.counts.get(lane.name, {})
         state = "passed" if lane.code == 0 else "CUT OFF" if lane.cut_off else "FAILED"
         lines.append(
-            f"  {lane.name:<8} {lane.seconds:6.0f} s  {state:<8} {c.get('passed', 0)} passed, {c.get('failed', 0)} failed, "
+            f"  {lane.name:<8} {lane.seconds:6.0f} s  {state:<8} {c.get('passed', 0)} passed, {c.get('failed', 0)} "
+            "failed, "
             f"{c.get('skipped', 0)} skipped   (log: {reports / (lane.name + '.log')})"
         )
     lines.append("== ten slowest tests")

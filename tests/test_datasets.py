@@ -14,16 +14,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from gpudoor_pipelines.data.datasets import (
-    DatasetSourceError,
-    SourceListing,
-    index_key,
-    list_images,
-    register_dataset,
-    resolver_for,
-    shard_prefix,
-    write_synthetic,
-)
+from gpudoor_pipelines.data.datasets import index_key, register_dataset, shard_prefix, write_synthetic
+from gpudoor_pipelines.data.sources import DatasetSourceError, SourceListing, list_images, resolver_for
 from gpudoor_pipelines.transit.bucket import MANIFEST_NAME, LocalTransitBucket
 
 

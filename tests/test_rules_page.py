@@ -1,4 +1,5 @@
-"""``gpudoor rules``: the committed rules page is what the fleet file says, names no env value, and ``--check`` catches a stale one."""
+"""``gpudoor rules``: the committed rules page is what the fleet file says, names no env value, and ``--check`` "
+"catches a stale one."""
 
 from __future__ import annotations
 

@@ -12,6 +12,6 @@ through Pipes when launched by it:
 * ``workloads.serve``: serve a checkpoint over HTTP as a demo.
 
 They depend on torch, pillow, boto3, pandas/pyarrow and dagster-pipes, and on the Dagster-free
-storage layer ``gpudoor_pipelines.transit`` (``bucket``, ``s3``, ``uris``) (in the workdir), never on ``dagster``, so a GPU
-node needs nothing else installed.
+storage layer ``gpudoor_pipelines.transit`` (``bucket``, ``s3``, ``uris``; in the workdir), never on
+``dagster``, so a GPU node needs nothing else installed.
 """

@@ -11,15 +11,8 @@ from gpudoor_pipelines.assets.night import CaptionNight, dataset_of
 from gpudoor_pipelines.assets.partitions import SHARDS, shard_partitions
 from gpudoor_pipelines.data import layout
 from gpudoor_pipelines.data.captions import merge_captions
-from gpudoor_pipelines.data.datasets import (
-    DatasetSourceError,
-    check_dataset_name,
-    list_images,
-    register_dataset,
-    resolver_for,
-    shard_key,
-    write_synthetic,
-)
+from gpudoor_pipelines.data.datasets import check_dataset_name, register_dataset, shard_key, write_synthetic
+from gpudoor_pipelines.data.sources import DatasetSourceError, list_images, resolver_for
 from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
 from gpudoor_pipelines.launch.resolve.specs import load_spec
 from gpudoor_pipelines.transit.io_manager import TransitRef
@@ -230,7 +223,8 @@ def captioned_dataset(
     result = merge_captions(bucket, model, shards, f"{layout.DATASETS}/{dataset}/captioned/{model}")
     if not result.shards_merged:
         raise dg.Failure(
-            description=f"No shard of dataset '{dataset}' is captioned by {model} yet. Fix: materialize caption_shards first."
+            description=f"No shard of dataset '{dataset}' is captioned by {model} yet. Fix: materialize "
+            "caption_shards first."
         )
     prefix = result.manifest_key.rsplit("/", 1)[0]
     manifest = bucket.read_manifest(prefix) or {}

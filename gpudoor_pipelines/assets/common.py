@@ -30,6 +30,7 @@ def require_object(bucket: TransitBucket, key: str, upstream: str) -> str:
     """The URI of an upstream object, or a clear failure before anything is launched."""
     if not bucket.exists(key):
         raise dg.Failure(
-            description=f"Missing upstream output: {upstream} has no object at {bucket.uri(key)}. Fix: materialize {upstream} first."
+            description=f"Missing upstream output: {upstream} has no object at {bucket.uri(key)}. Fix: materialize "
+            f"{upstream} first."
         )
     return bucket.uri(key)

@@ -20,7 +20,8 @@ class DemoConfig(LaunchConfig):
     )
     ttl_hours: float | None = Field(
         default=None,
-        description="Hours until the orphan reconciler tears the demo down (default: the fleet's reconciler.interactive_ttl_hours).",
+        description="Hours until the orphan reconciler tears the demo down (default: the fleet's "
+        "reconciler.interactive_ttl_hours).",
     )
 
     @field_validator("cluster_name")

@@ -29,7 +29,8 @@ class TrainConfig(LaunchConfig):
 
     training_id: str | None = Field(
         default=None,
-        description="Resume this training (its checkpoints are reused): the id shown in training_run's metadata; default: a new id (UTC start time + run id), kept across re-executions.",
+        description="Resume this training (its checkpoints are reused): the id shown in training_run's metadata; "
+        "default: a new id (UTC start time + run id), kept across re-executions.",
     )
     training_name: str | None = Field(
         default=None, description="A name for people (kept as a label in the metadata and run tags, not in keys)."

@@ -1,7 +1,8 @@
 """GPU usage per week: GPU-hours, cost, preemptions and goodput per pool and cost owner, from every job the team ran.
 
 The figures come from the launch backend's own record of jobs (SkyPilot's managed-jobs queue and
-cluster history, or the local job folders), so demos, ad-hoc launches and jobs of other tools count as much as Dagster steps.
+cluster history, or the local job folders), so demos, ad-hoc launches and jobs of other tools count as
+much as Dagster steps.
 """
 
 import base64
@@ -124,7 +125,8 @@ def markdown_table(table: pd.DataFrame) -> str:
     for r in table.itertuples():
         goodput = "n/a" if math.isnan(r.goodput) else f"{r.goodput:.1%}"
         lines.append(
-            f"| {r.pool} | {r.cost_owner} | {r.jobs} | {r.gpu_hours:.2f} | {r.cost_usd:.2f} | {r.preemptions} | {goodput} |"
+            f"| {r.pool} | {r.cost_owner} | {r.jobs} | {r.gpu_hours:.2f} | {r.cost_usd:.2f} | {r.preemptions} | "
+            f"{goodput} |"
         )
     return "\n".join(lines)
 
@@ -239,7 +241,8 @@ def gpu_usage(context: dg.AssetExecutionContext, skypilot: PipesSkyPilotClient) 
             **md,
             "by_pool_and_owner": dg.MetadataValue.md(markdown_table(table)),
             "chart": dg.MetadataValue.md(
-                f"![GPU-hours per pool and cost owner, week of {week}](data:image/png;base64,{base64.b64encode(png).decode()})"
+                "![GPU-hours per pool and cost owner, week of "
+                f"{week}](data:image/png;base64,{base64.b64encode(png).decode()})"
             ),
             "chart_uri": dg.MetadataValue.path(bucket.uri(key)),
             "window": f"{window.start.isoformat()} to {dt.datetime.fromtimestamp(until, dt.UTC).isoformat()}",

@@ -6,7 +6,8 @@ the door launches for a Dagster run carries that run's id (``dagster-run-id``, s
 deployment's key), so the run can be asked. :func:`plan_releases` is pure: from what the backend holds
 and what the Dagster instance knows of the runs named, it says what to release and why:
 
-- a job, warm pool or step cluster (``gpudoor-step-…``, a step the fleet launches as a cluster) whose run has ended (succeeded, failed, canceled) more than the grace period ago;
+- a job, warm pool or step cluster (``gpudoor-step-…``, a step the fleet launches as a cluster) whose run
+  has ended (succeeded, failed, canceled) more than the grace period ago;
 - one that names a run this instance does not know, once it is older than the grace period;
 - a job that names a live run which never recorded launching it (a replayed label), after the grace period;
 - an interactive cluster (``lab-…``, ``dev-…``) past its time to live (the fleet's, or its launch's own).

@@ -25,7 +25,8 @@ from pydantic import Field
 
 from gpudoor_pipelines.assets.k8s import cpu_step_tags
 from gpudoor_pipelines.automation.reconcile import Release, RunFacts, claimed_run, named_runs, plan_releases
-from gpudoor_pipelines.launch.client import PipesSkyPilotClient, report_unconfirmed
+from gpudoor_pipelines.launch.client import PipesSkyPilotClient
+from gpudoor_pipelines.launch.events import report_unconfirmed
 from gpudoor_pipelines.launch.job import Holding
 from gpudoor_pipelines.launch.labels import LABEL_KEY_ENV, TAG_RELEASED_PREFIX
 from gpudoor_pipelines.launch.record.release import ReleaseOutcome, release_and_verify

@@ -56,7 +56,8 @@ def _launcher(**settings: Any):
     Raises:
         DoorError: the settings are wrong or the API server cannot be reached.
     """
-    from gpudoor_pipelines.launch.launcher import Launcher, settings_from_env
+    from gpudoor_pipelines.launch.config import settings_from_env
+    from gpudoor_pipelines.launch.launcher import Launcher
 
     try:
         launcher = Launcher.from_settings(settings_from_env(**settings))
@@ -161,7 +162,7 @@ def logs(job_id: str, *, tail: int = 100) -> list[str]:
 
 def follow(job_id: str, on_line: Callable[[str], None]) -> dict[str, Any]:
     """Every line of the job's log from the start, to ``on_line``, until the job ends; returns its end state."""
-    from gpudoor_pipelines.launch.launcher import Hooks
+    from gpudoor_pipelines.launch.watch import Hooks
 
     launcher = _launcher()
     try:

@@ -1,18 +1,18 @@
 """Where everything lives in the transit bucket: every key prefix, named once.
 
-| prefix | what | written by |
-|---|---|---|
-| ``datasets/<dataset>/`` | ``index.parquet`` (every image's shard), ``shards/<shard>/`` (manifests of image URIs), ``captioned/<model>/`` (the merged captions) | ``dataset_shards``, ``captioned_dataset`` |
-| ``captions/<model>/<shard>/`` | Parquet parts, then a manifest | the caption jobs |
-| ``batches/<kind>/<run>/wave-NNN.json`` | what each job of a batch does | the packed runs (captions, evals) |
-| ``trainings/<day>/<stamp>…`` | the journal of trainings started | ``training_run`` |
-| ``checkpoints/<training>/step-N/`` | a checkpoint and its manifest; ``_ended/`` how the training ended | the training jobs |
-| ``smoke/<training>/`` | the smoke test's output | the smoke job |
-| ``evals/<checkpoint>/metrics.json`` | a checkpoint's scores | the eval jobs |
-| ``usage/<week>/gpu_hours.png`` | the weekly usage chart | ``gpu_usage`` |
-| ``assets/…`` | what the IO manager stores for assets | the IO manager |
-| ``_pipes/`` | Dagster Pipes' context and messages while a session lives | Pipes through the bucket |
-| ``.tmp-…`` | half-written objects (skipped by listings) | the bucket itself |
+- ``datasets/<dataset>/``: ``index.parquet`` (every image's shard), ``shards/<shard>/`` (manifests of image
+  URIs), ``captioned/<model>/`` (the merged captions); by ``dataset_shards`` and ``captioned_dataset``.
+- ``captions/<model>/<shard>/``: Parquet parts, then a manifest; by the caption jobs.
+- ``batches/<kind>/<run>/wave-NNN.json``: what each job of a batch does; by the packed runs (captions, evals).
+- ``trainings/<day>/<stamp>…``: the journal of trainings started; by ``training_run``.
+- ``checkpoints/<training>/step-N/``: a checkpoint and its manifest, and ``_ended/``, how the training ended;
+  by the training jobs.
+- ``smoke/<training>/``: the smoke test's output; by the smoke job.
+- ``evals/<checkpoint>/metrics.json``: a checkpoint's scores; by the eval jobs.
+- ``usage/<week>/gpu_hours.png``: the weekly usage chart; by ``gpu_usage``.
+- ``assets/…``: what the IO manager stores for assets.
+- ``_pipes/``: Dagster Pipes' context and messages while a session lives.
+- ``.tmp-…``: half-written objects, skipped by listings; by the bucket itself.
 """
 
 from __future__ import annotations

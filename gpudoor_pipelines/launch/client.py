@@ -15,38 +15,36 @@ An asset calls it in one line::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import dagster as dg
 from pydantic import Field
 
 from gpudoor_pipelines.launch.backends.base import Backend
-from gpudoor_pipelines.launch.errors import JobFailed, LaunchConfigError
+from gpudoor_pipelines.launch.config import LaunchSettings, launching_user, make_backend
+from gpudoor_pipelines.launch.errors import JobFailed
+from gpudoor_pipelines.launch.events import (
+    job_failure,
+    job_tag_key,
+    nothing_launched,
+    results_are_reported_by_the_caller,
+    step_hooks,
+    summarize,
+)
 from gpudoor_pipelines.launch.job import Holding, JobInfo
 from gpudoor_pipelines.launch.labels import (
     TAG_COST_OWNER,
     TAG_INFRA,
-    TAG_JOB_PREFIX,
     TAG_POOL,
-    TAG_RELEASED_PREFIX,
 )
-from gpudoor_pipelines.launch.launcher import (
-    Hooks,
-    Launcher,
-    LaunchSettings,
-    Redactor,
-    launching_user,
-    make_backend,
-)
+from gpudoor_pipelines.launch.launcher import Launcher, Redactor
 from gpudoor_pipelines.launch.record.goodput import preemption_cost, saved_times
 from gpudoor_pipelines.launch.record.records import BatchPlan, BatchResult, LaunchRecord, ServiceRecord
-from gpudoor_pipelines.launch.record.release import ReleaseOutcome
 from gpudoor_pipelines.launch.resolve.fleet import Fleet, load_fleet
-from gpudoor_pipelines.launch.resolve.request import LaunchRequest, ResolvedJob, resolve, slug
+from gpudoor_pipelines.launch.resolve.request import LaunchRequest, ResolvedJob, resolve
 from gpudoor_pipelines.launch.resolve.specs import TaskSpec, load_spec
 from gpudoor_pipelines.transit.bucket import TransitBucket
 from gpudoor_pipelines.transit.resource import TransitBucketResource
@@ -98,67 +96,6 @@ class SkyPilotInvocation(dg.PipesClientCompletedInvocation):
             data_version=result.data_version,
             **extra,
         )
-
-
-@contextlib.contextmanager
-def _nothing_launched() -> Iterator[None]:
-    """Turns a configuration error into a clean step failure that says nothing was launched."""
-    try:
-        yield
-    except LaunchConfigError as e:
-        raise dg.Failure(
-            description=f"Nothing was launched. {e}", metadata={"file": e.source, "field": e.field}
-        ) from None
-
-
-def _job_failure(failure: JobFailed) -> dg.Failure:
-    """A failed job as the step's failure: its end state and its last log lines."""
-    return dg.Failure(
-        description=str(failure),
-        metadata={
-            "job_id": failure.job_id,
-            "status": failure.status,
-            "log_tail": dg.MetadataValue.md("```\n" + "\n".join(failure.log_tail) + "\n```"),
-        },
-    )
-
-
-def report_unconfirmed(
-    instance: dg.DagsterInstance, run: dg.DagsterRun, outcome: ReleaseOutcome, step_key: str | None = None
-) -> None:
-    """An error event on ``run`` naming a holding whose release was not confirmed (the UI shows it in red)."""
-    from dagster._core.events import EngineEventData
-    from dagster._utils.error import SerializableErrorInfo
-
-    message = f"GPUs may still be held: {outcome.summary()}"
-    data = EngineEventData(
-        metadata={"kind": outcome.holding.kind, "id": outcome.holding.id, "seen": "; ".join(outcome.seen)},
-        error=SerializableErrorInfo(message, [], "ReleaseNotConfirmed"),
-    )
-    instance.report_engine_event(message, run, data, step_key=step_key)
-
-
-def _results_are_reported_by_the_caller(context: dg.AssetExecutionContext) -> None:
-    """Lifts the check Pipes sets on an asset that the session's results are returned.
-
-    A batch reports through custom messages, and its caller logs one materialization per partition as each
-    finishes: a range run may end with some partitions done and others left for later, which one returned
-    result cannot say. Dagster 1.13 has no public way to lift the check.
-    """
-    context.op_execution_context._step_execution_context._requires_typed_event_stream = False  # noqa: SLF001
-
-
-def _job_tag_key(request: LaunchRequest) -> str:
-    """The run tag under which a step records the job it launched (a retried step re-attaches to it)."""
-    partition = f"-{slug(request.partition, 60)}" if request.partition else ""
-    return f"{TAG_JOB_PREFIX}{slug(request.asset or '', 60)}{partition}-{slug(request.step or request.spec.kind, 20)}"
-
-
-def _summarize(infos: Mapping[str, JobInfo]) -> str:
-    counts: dict[str, int] = {}
-    for info in infos.values():
-        counts[info.state.value] = counts.get(info.state.value, 0) + 1
-    return ", ".join(f"{n} {state.lower()}" for state, n in sorted(counts.items()))
 
 
 class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
@@ -243,7 +180,7 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
         """
         config = config or LaunchConfig()
         tags = context.run.tags
-        with _nothing_launched():
+        with nothing_launched():
             loaded = self.get_spec(spec)
         return LaunchRequest(
             spec=loaded,
@@ -269,28 +206,6 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
         inputs = {**bucket.job_env(), **request.inputs, **bootstrap}
         return dataclasses.replace(request, inputs=inputs, secrets=bucket.job_secrets(), dagster=dict(dagster))
 
-    def _hooks(self, context: dg.AssetExecutionContext, redact: Callable[[str], str] = str, **more: Any) -> Hooks:
-        """The launcher's hooks, as events of the step: log lines, what the launcher did, releases."""
-        step_key = context.get_step_execution_context().step.key
-
-        def released(outcomes: list[ReleaseOutcome]) -> None:
-            context.instance.add_run_tags(
-                context.run.run_id,
-                {
-                    f"{TAG_RELEASED_PREFIX}{o.holding.kind}-{o.holding.id}"[
-                        :255
-                    ]: f"{'confirmed' if o.confirmed else 'NOT confirmed'} in {o.seconds:.0f} s"
-                    for o in outcomes
-                },
-            )
-            for outcome in outcomes:
-                if outcome.confirmed:
-                    context.log.warning(outcome.summary())
-                else:
-                    report_unconfirmed(context.instance, context.run, outcome, step_key=step_key)
-
-        return Hooks(line=context.log.info, said=context.log.warning, released=released, **more)
-
     # ----------------------------------------------------------------- run
     def run(
         self, *, context: dg.AssetExecutionContext, request: LaunchRequest, extras: Mapping[str, Any] | None = None
@@ -307,7 +222,7 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
         """
         from gpudoor_pipelines.transit.pipes import pipes_context_injector, pipes_message_reader
 
-        with _nothing_launched():
+        with nothing_launched():
             launcher = self.launcher()
             # What is held is read side by side with the health check and the Pipes session's setup.
             usage = launcher.usage_now()
@@ -323,11 +238,11 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
             request = self._with_transit(
                 request, bucket, session.get_bootstrap_env_vars(), session.default_remote_invocation_info
             )
-            with _nothing_launched():
+            with nothing_launched():
                 job = resolve(request, launcher.fleet, usage=usage.result() if usage is not None else None)
             job_id, job = self._reattach_or_submit(context, launcher, job, request)
             redact = Redactor(job.secrets)
-            tag_key = _job_tag_key(request)
+            tag_key = job_tag_key(request)
 
             def moved(old: str, new: str, new_job: ResolvedJob) -> None:
                 context.instance.add_run_tags(context.run.run_id, {tag_key: f"{launcher.backend.name}:{new}"})
@@ -335,7 +250,7 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
             def state(job_id: str, info: JobInfo) -> None:
                 context.log.debug(f"Job {job_id}: {info.state.value}")
 
-            hooks = self._hooks(context, redact, moved=moved, state=state)
+            hooks = step_hooks(context, moved=moved, state=state)
             watched = launcher.wait(
                 [job_id],
                 hooks,
@@ -351,7 +266,7 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
             if said:  # a step cluster, torn down once its log tail is read
                 context.log.info(said)
             if failure is not None:
-                raise _job_failure(failure)
+                raise job_failure(failure)
         # Read once the session is closed: by then every message the job sent has been read. A job that moved
         # to another pool: the time held is what the step saw (the last job's own count leaves out the first).
         assert job.route is not None
@@ -374,7 +289,7 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
     ) -> tuple[str, ResolvedJob]:
         """Re-attaches to the job an earlier attempt of this step launched, if it still runs; else submits
         ``job`` (routed around pools the API server says are full). Returns the job id and the job."""
-        tag_key = _job_tag_key(request)
+        tag_key = job_tag_key(request)
         backend = launcher.backend
         previous = context.run.tags.get(tag_key, "")
         if previous.startswith(f"{backend.name}:"):
@@ -388,7 +303,7 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
                     f"Re-attaching to job {old_id}, still {state.value}, instead of launching a second one."
                 )
                 return old_id, job
-        with _nothing_launched():
+        with nothing_launched():
             job_id, job = launcher.submit(job, request, context.log.info)
         context.instance.add_run_tags(context.run.run_id, {tag_key: f"{backend.name}:{job_id}"})
         context.log.info(f"Submitted job {job_id}.")
@@ -402,7 +317,7 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
         Raises:
             dagster.Failure: the request cannot run on any pool ("Nothing was launched").
         """
-        with _nothing_launched():
+        with nothing_launched():
             return self.launcher().plan_batch(request, pool_name=pool_name, max_workers=max_workers)
 
     def run_batch(
@@ -431,7 +346,7 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
         """
         from gpudoor_pipelines.transit.pipes import pipes_context_injector, pipes_message_reader
 
-        with _nothing_launched():
+        with nothing_launched():
             launcher = self.launcher()
         backend = launcher.backend
         bucket = self.transit.get_bucket()
@@ -448,7 +363,7 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
         last_summary = [""]
 
         def polled(infos: Mapping[str, JobInfo]) -> None:
-            summary = _summarize(infos)
+            summary = summarize(infos)
             if summary != last_summary[0]:
                 context.log.info(f"{pool_name}: {summary}")
                 last_summary[0] = summary
@@ -460,7 +375,7 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
             request = self._with_transit(
                 request.with_inputs(**inputs), bucket, {}, session.default_remote_invocation_info
             )
-            with _nothing_launched():
+            with nothing_launched():
                 # A warm pool that is up already holds its GPUs: its jobs are not checked against them again.
                 live = backend.usage() if not backend.pool_workers(pool_name) else None
                 job = resolve(request, launcher.fleet, usage=live)
@@ -469,7 +384,7 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
                 f"Launching {num_jobs} jobs of {job.name} on pool '{pool_name}' of {workers} workers "
                 f"({job.pool}, {job.route.infra}, {job.route.describe()} each) through the {backend.name} backend."
             )
-            with _nothing_launched():
+            with nothing_launched():
                 job_ids = launcher.submit_batch(job, num_jobs, pool_name=pool_name, workers=workers)
             context.log.info(
                 f"Submitted jobs {job_ids[0]}…{job_ids[-1]}." if num_jobs > 1 else f"Submitted job {job_ids[0]}."
@@ -477,7 +392,7 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
             if on_submitted:
                 on_submitted(job, job_ids)
             redact = Redactor(job.secrets)
-            hooks = self._hooks(context, redact, tick=deliver, polled=polled, preempted=on_preempted)
+            hooks = step_hooks(context, tick=deliver, polled=polled, preempted=on_preempted)
             watched = launcher.wait(
                 job_ids,
                 hooks,
@@ -487,7 +402,7 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
                 also_release=[Holding("pool", pool_name)],
             )
         deliver()  # what arrived while the session closed
-        _results_are_reported_by_the_caller(context)
+        results_are_reported_by_the_caller(context)
         ranks = [watched.infos[i] for i in job_ids]
         tails = {
             r: [redact(line) for line in backend.log_tail(info.job_id, 30)]
@@ -505,7 +420,7 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
         self, *, context: dg.AssetExecutionContext, request: LaunchRequest, ready_timeout_s: float = 120.0
     ) -> ServiceRecord:
         """Launches a long-running service (a demo) on ``request.cluster_name`` and waits for its URL."""
-        with _nothing_launched():
+        with nothing_launched():
             launcher = self.launcher()
             launcher.backend.check()
             # No Pipes session for a service: the run's identity straight from the run (what a session would give).
@@ -521,7 +436,7 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
                 job,
                 port=(request.spec.ports or [8000])[0],
                 ready_timeout_s=ready_timeout_s,
-                hooks=self._hooks(context, redact),
+                hooks=step_hooks(context),
                 redact=redact,
                 interrupts=_INTERRUPTS,
             )

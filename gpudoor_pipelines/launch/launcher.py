@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
-import getpass
-import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from gpudoor_pipelines.launch.backends.base import Backend, LogFollower, Service
+from gpudoor_pipelines.launch.config import LaunchSettings, launching_user, make_backend
 from gpudoor_pipelines.launch.errors import JobFailed, LaunchConfigError, PoolFull
 from gpudoor_pipelines.launch.job import FAILURE_MEANING, Holding, JobInfo, JobState
 from gpudoor_pipelines.launch.record.goodput import Timeline, report_preemptions
@@ -34,101 +32,10 @@ from gpudoor_pipelines.launch.record.release import ReleaseOutcome, release_and_
 from gpudoor_pipelines.launch.resolve.fleet import Fleet, load_fleet
 from gpudoor_pipelines.launch.resolve.request import LaunchRequest, ResolvedJob, resolve
 from gpudoor_pipelines.launch.resolve.routing import Usage
-from gpudoor_pipelines.launch.watch import Backoff, status_hub
+from gpudoor_pipelines.launch.watch import Backoff, Hooks, Streams, Watched, ignore, status_hub
 
 #: Reads of what is held, started beside a step's health check and Pipes session.
 _USAGE_READS = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="gpudoor-usage-read")
-
-
-@dataclasses.dataclass(frozen=True)
-class LaunchSettings:
-    """Where jobs go and how they are watched: the fields of the Pipes client resource, free of Dagster.
-
-    Attributes:
-        backend: ``local`` (embedded default) or ``skypilot``.
-        api_server_endpoint: SkyPilot API server URL (``skypilot`` backend).
-        service_account_token: SkyPilot service-account token; never logged.
-        specs_dir: folder of task specs (default: the project's ``task_specs/``).
-        fleet_file: the fleet file (default: ``task_specs/fleet.yaml``).
-        local_home: state folder of the local backend (default ``$GPUDOOR_HOME`` or ``~/.gpudoor``).
-        cost_owner: who pays for jobs whose task file names no cost owner (default: the fleet's).
-        user: who launches (labels, per-user caps); default: the service account, else the OS user.
-        poll_interval_s: seconds to a job's first status poll and after each change; also how often
-            log lines are handed over.
-        max_poll_interval_s: where status requests go to a server, polls of an unchanged job back off,
-            doubling, up to this.
-        cancel_timeout_s: how long a release is looked at before it is reported not confirmed.
-        max_log_streams: how many jobs of a batch stream their logs at once.
-        validate_with_skypilot: also parse every spec with ``sky.Task`` (once per file version).
-    """
-
-    backend: str = "local"
-    api_server_endpoint: str | None = None
-    service_account_token: str | None = dataclasses.field(default=None, repr=False)
-    specs_dir: str | None = None
-    fleet_file: str | None = None
-    local_home: str | None = None
-    cost_owner: str | None = None
-    user: str | None = None
-    poll_interval_s: float = 0.5
-    max_poll_interval_s: float = 20.0
-    cancel_timeout_s: float = 180.0
-    max_log_streams: int = 4
-    validate_with_skypilot: bool = True
-
-
-#: The settings the environment sets, and from which variables (the Dagster resources bind the same ones).
-ENV_SETTINGS = {
-    "backend": "GPUDOOR_BACKEND",
-    "api_server_endpoint": "SKYPILOT_API_SERVER_ENDPOINT",
-    "service_account_token": "SKYPILOT_SERVICE_ACCOUNT_TOKEN",
-    "cost_owner": "GPUDOOR_COST_OWNER",
-    "local_home": "GPUDOOR_HOME",
-    "user": "GPUDOOR_USER",
-}
-
-
-def settings_from_env(**overrides: Any) -> LaunchSettings:
-    """The settings the environment describes (see ``gpudoor_pipelines.settings``), with ``overrides``."""
-    found = {field: os.environ[var] for field, var in ENV_SETTINGS.items() if os.environ.get(var)}
-    return LaunchSettings(**{**found, **{k: v for k, v in overrides.items() if v is not None}})
-
-
-def make_backend(settings: LaunchSettings) -> Backend:
-    """The backend the settings name.
-
-    Raises:
-        LaunchConfigError: an unknown backend, or a SkyPilot backend without an API server.
-    """
-    if settings.backend == "local":
-        from gpudoor_pipelines.launch.backends.local import LocalBackend
-
-        return LocalBackend(home=settings.local_home)
-    if settings.backend == "skypilot":
-        from gpudoor_pipelines.launch.backends.skypilot import SkyPilotBackend
-
-        return SkyPilotBackend(endpoint=settings.api_server_endpoint, token=settings.service_account_token)
-    raise LaunchConfigError(
-        "resource skypilot",
-        "backend",
-        f"unknown backend '{settings.backend}'",
-        "use 'local' or 'skypilot' (GPUDOOR_BACKEND)",
-    )
-
-
-def launching_user(settings: LaunchSettings) -> str:
-    """Who launches: ``user``, else the service account the API server knows the token as, else the OS user.
-    The API server's policy names the user itself in any case."""
-    if settings.user:
-        return settings.user
-    if settings.backend == "skypilot" and settings.service_account_token:
-        name = _service_account(settings.api_server_endpoint, settings.service_account_token)
-        if name:
-            return name
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):
-        return "unknown"
 
 
 class Redactor:
@@ -141,99 +48,6 @@ class Redactor:
         for value in self._values:
             line = line.replace(value, "****")
         return line
-
-
-def _ignore(*_: Any) -> None:
-    return None
-
-
-@dataclasses.dataclass
-class Hooks:
-    """What a front end hears from the wait loop (every hook is optional).
-
-    Attributes:
-        line: a log line of a job (secrets redacted; prefixed ``[job <id>]`` when several jobs stream).
-        state: a job's state changed (its id, its new state).
-        polled: after each status poll, every job's last known state.
-        tick: every turn of the loop (a front end delivers what arrived meanwhile, e.g. Pipes messages).
-        preempted: once per preemption of a job: its rank, its state, when it was seen.
-        moved: an evicted job was launched again on another pool: its old id, its new id, the job as launched.
-        said: what the launcher did on its own (a move, a cancel after an interruption), in words.
-        released: what a release released (after an interruption, or a move), and whether it was confirmed.
-    """
-
-    line: Callable[[str], None] = _ignore
-    state: Callable[[str, JobInfo], None] = _ignore
-    polled: Callable[[Mapping[str, JobInfo]], None] = _ignore
-    tick: Callable[[], None] = _ignore
-    preempted: Callable[[int, JobInfo, float], None] | None = None
-    moved: Callable[[str, str, ResolvedJob], None] = _ignore
-    said: Callable[[str], None] = _ignore
-    released: Callable[[list[ReleaseOutcome]], None] = _ignore
-
-
-@dataclasses.dataclass
-class Watched:
-    """What a wait saw: each job's last state and the states it went through, by the job's final id.
-
-    Attributes:
-        job_ids: the jobs, in rank order (a job moved after an eviction has the id of its last launch).
-        infos: each job's last known state.
-        timelines: each job's states as the loop saw them (for what its preemptions cost).
-        moved: the jobs launched in place of evicted ones, in order.
-    """
-
-    job_ids: list[str]
-    infos: dict[str, JobInfo]
-    timelines: dict[str, Timeline]
-    moved: list[ResolvedJob] = dataclasses.field(default_factory=list)
-
-
-class _Streams:
-    """The log streams of the jobs being waited for: at most ``limit`` open at once (a person watching sees
-    the jobs work; hundreds of streams would load the API server for nothing)."""
-
-    def __init__(
-        self, follow: Callable[[str], LogFollower], limit: int, emit: Callable[[str], None], prefix: bool
-    ) -> None:
-        self.follow, self.limit, self.emit, self.prefix = follow, max(1, limit), emit, prefix
-        self.open: dict[str, LogFollower] = {}
-        self.done: set[str] = set()
-        self.cued: set[str] = set()
-
-    def start(self, job_ids: Iterable[str], infos: Mapping[str, JobInfo], *, now: bool = False) -> None:
-        """Opens streams for jobs that run (or, ``now``, whatever their state) while there is room."""
-        for job_id in job_ids:
-            if job_id in self.done or job_id in self.open or len(self.open) >= self.limit:
-                continue
-            info = infos.get(job_id)
-            if now or (info is not None and info.state in (JobState.STARTING, JobState.RUNNING, JobState.RECOVERING)):
-                self.open[job_id] = self.follow(job_id)
-
-    def drain(self) -> None:
-        """Hands out the lines written since the last call."""
-        for job_id, follower in list(self.open.items()):
-            for line in follower.poll():
-                self.emit(f"[job {job_id}] {line}" if self.prefix else line)
-
-    def newly_ended(self) -> bool:
-        """Whether a followed job's log stream has ended since the last call (its job has, most likely)."""
-        ended = {job_id for job_id, follower in self.open.items() if follower.ended} - self.cued
-        self.cued |= ended
-        return bool(ended)
-
-    def stop(self, job_id: str) -> None:
-        """Closes a job's stream for good (its job ended, or was replaced)."""
-        follower = self.open.pop(job_id, None)
-        if follower is not None:
-            for line in follower.poll():
-                self.emit(f"[job {job_id}] {line}" if self.prefix else line)
-            follower.close()
-        self.done.add(job_id)
-
-    def close(self) -> None:
-        for follower in self.open.values():
-            follower.close()
 
 
 class Launcher:
@@ -266,7 +80,7 @@ class Launcher:
 
     # ----------------------------------------------------------------- submit
     def submit(
-        self, job: ResolvedJob, request: LaunchRequest, log: Callable[[str], None] = _ignore
+        self, job: ResolvedJob, request: LaunchRequest, log: Callable[[str], None] = ignore
     ) -> tuple[str, ResolvedJob]:
         """Submits ``job`` (``request`` resolved); when the API server says its pool is full, reads what is
         held, counts the refused pools as full whatever the read says, and submits to the next pool the
@@ -311,7 +125,8 @@ class Launcher:
             hooks.moved(job_id, new_id, new_job)
             hooks.said(
                 f"Job {job_id} was evicted from pool '{job.pool}': launched again on pool '{target}' as job {new_id} "
-                f"(recover_to of '{job.pool}' in {self.fleet.source}); it resumes from what it saved. Cancelling job {job_id}."
+                f"(recover_to of '{job.pool}' in {self.fleet.source}); it resumes from what it saved. Cancelling job "
+                f"{job_id}."
             )
             hooks.released(self.release([self.backend.holding_of(job_id)]))
             return new_id, new_job
@@ -403,7 +218,7 @@ class Launcher:
 
             follow = self.backend.follow_logs
             most = s.max_poll_interval_s if self.backend.remote_status else s.poll_interval_s
-        streams = _Streams(follow, s.max_log_streams, lambda line: hooks.line(redact(line)), prefix=len(ids) > 1)
+        streams = Streams(follow, s.max_log_streams, lambda line: hooks.line(redact(line)), prefix=len(ids) > 1)
         infos: dict[str, JobInfo] = {}
         timelines = {job_id: Timeline() for job_id in ids}
         reported: dict[str, int] = {}
@@ -484,7 +299,7 @@ class Launcher:
         new: str,
         infos: dict[str, JobInfo],
         timelines: dict[str, Timeline],
-        streams: _Streams,
+        streams: Streams,
         hub: Any,
     ) -> None:
         """Follows the job launched in place of an evicted one (its timeline goes on)."""
@@ -581,13 +396,3 @@ def _full(usage: Usage, fleet: Fleet, pools: set[str]) -> Usage:
     gpus = {**usage.gpus, **{p: fleet.pools[p].gpu_cap for p in pools if p in fleet.pools}}
     vcpus = {**usage.vcpus, **{p: fleet.pools[p].vcpu_cap or 0 for p in pools if p in fleet.pools}}
     return dataclasses.replace(usage, gpus=gpus, vcpus=vcpus)
-
-
-@functools.lru_cache(maxsize=8)
-def _service_account(endpoint: str | None, token: str) -> str | None:
-    """The name the API server gives the token's service account (cached per process)."""
-    if not endpoint:
-        return None
-    from gpudoor_pipelines.launch.backends.skypilot import SkyPilotBackend
-
-    return SkyPilotBackend(endpoint, token).service_account()

@@ -1,6 +1,7 @@
 """Watching jobs without flooding the API server.
 
-Every running step watches its job until it ends. Asked naively (one status request per job every
+Every running step watches its job until it ends (the launcher's wait loop, with the :class:`Hooks` a front
+end gives it and the :class:`Watched` it returns). Asked naively (one status request per job every
 half second), 200 steps make about 400 requests a second to one SkyPilot API server. Two things keep
 that down, and neither delays noticing the end of a job:
 
@@ -15,12 +16,19 @@ that down, and neither delays noticing the end of a job:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-from gpudoor_pipelines.launch.backends.base import Backend
-from gpudoor_pipelines.launch.job import JobInfo
+from gpudoor_pipelines.launch.job import JobInfo, JobState
+
+if TYPE_CHECKING:
+    from gpudoor_pipelines.launch.backends.base import Backend, LogFollower
+    from gpudoor_pipelines.launch.record.goodput import Timeline
+    from gpudoor_pipelines.launch.record.release import ReleaseOutcome
+    from gpudoor_pipelines.launch.resolve.request import ResolvedJob
 
 
 class Backoff:
@@ -70,7 +78,8 @@ class StatusHub:
                     self._known.pop(job_id, None)
 
     def get(self, job_ids: Sequence[str], max_age_s: float = 0.0) -> dict[str, JobInfo]:
-        """The states of ``job_ids`` as of at most ``max_age_s`` ago (jobs the backend has no record of are left out)."""
+        """The states of ``job_ids`` as of at most ``max_age_s`` ago (jobs the backend has no record of are left "
+        "out)."""
         asked = time.monotonic()
         while True:
             with self._cond:
@@ -112,3 +121,96 @@ def status_hub(backend: Backend) -> StatusHub:
         if hub is None:
             hub = _HUBS[key] = StatusHub(backend)
         return hub
+
+
+def ignore(*_: Any) -> None:
+    return None
+
+
+@dataclasses.dataclass
+class Hooks:
+    """What a front end hears from the wait loop (every hook is optional).
+
+    Attributes:
+        line: a log line of a job (secrets redacted; prefixed ``[job <id>]`` when several jobs stream).
+        state: a job's state changed (its id, its new state).
+        polled: after each status poll, every job's last known state.
+        tick: every turn of the loop (a front end delivers what arrived meanwhile, e.g. Pipes messages).
+        preempted: once per preemption of a job: its rank, its state, when it was seen.
+        moved: an evicted job was launched again on another pool: its old id, its new id, the job as launched.
+        said: what the launcher did on its own (a move, a cancel after an interruption), in words.
+        released: what a release released (after an interruption, or a move), and whether it was confirmed.
+    """
+
+    line: Callable[[str], None] = ignore
+    state: Callable[[str, JobInfo], None] = ignore
+    polled: Callable[[Mapping[str, JobInfo]], None] = ignore
+    tick: Callable[[], None] = ignore
+    preempted: Callable[[int, JobInfo, float], None] | None = None
+    moved: Callable[[str, str, ResolvedJob], None] = ignore
+    said: Callable[[str], None] = ignore
+    released: Callable[[list[ReleaseOutcome]], None] = ignore
+
+
+@dataclasses.dataclass
+class Watched:
+    """What a wait saw: each job's last state and the states it went through, by the job's final id.
+
+    Attributes:
+        job_ids: the jobs, in rank order (a job moved after an eviction has the id of its last launch).
+        infos: each job's last known state.
+        timelines: each job's states as the loop saw them (for what its preemptions cost).
+        moved: the jobs launched in place of evicted ones, in order.
+    """
+
+    job_ids: list[str]
+    infos: dict[str, JobInfo]
+    timelines: dict[str, Timeline]
+    moved: list[ResolvedJob] = dataclasses.field(default_factory=list)
+
+
+class Streams:
+    """The log streams of the jobs being waited for: at most ``limit`` open at once (a person watching sees
+    the jobs work; hundreds of streams would load the API server for nothing)."""
+
+    def __init__(
+        self, follow: Callable[[str], LogFollower], limit: int, emit: Callable[[str], None], prefix: bool
+    ) -> None:
+        self.follow, self.limit, self.emit, self.prefix = follow, max(1, limit), emit, prefix
+        self.open: dict[str, LogFollower] = {}
+        self.done: set[str] = set()
+        self.cued: set[str] = set()
+
+    def start(self, job_ids: Iterable[str], infos: Mapping[str, JobInfo], *, now: bool = False) -> None:
+        """Opens streams for jobs that run (or, ``now``, whatever their state) while there is room."""
+        for job_id in job_ids:
+            if job_id in self.done or job_id in self.open or len(self.open) >= self.limit:
+                continue
+            info = infos.get(job_id)
+            if now or (info is not None and info.state in (JobState.STARTING, JobState.RUNNING, JobState.RECOVERING)):
+                self.open[job_id] = self.follow(job_id)
+
+    def drain(self) -> None:
+        """Hands out the lines written since the last call."""
+        for job_id, follower in list(self.open.items()):
+            for line in follower.poll():
+                self.emit(f"[job {job_id}] {line}" if self.prefix else line)
+
+    def newly_ended(self) -> bool:
+        """Whether a followed job's log stream has ended since the last call (its job has, most likely)."""
+        ended = {job_id for job_id, follower in self.open.items() if follower.ended} - self.cued
+        self.cued |= ended
+        return bool(ended)
+
+    def stop(self, job_id: str) -> None:
+        """Closes a job's stream for good (its job ended, or was replaced)."""
+        follower = self.open.pop(job_id, None)
+        if follower is not None:
+            for line in follower.poll():
+                self.emit(f"[job {job_id}] {line}" if self.prefix else line)
+            follower.close()
+        self.done.add(job_id)
+
+    def close(self) -> None:
+        for follower in self.open.values():
+            follower.close()

@@ -676,7 +676,8 @@ def test_skypilot_config_matches_the_fleet():
 
 
 def _run_python(code: str, env: dict[str, str]) -> dict:
-    """Runs ``code`` in a fresh interpreter (SkyPilot's config state stays out of this process); its last stdout line is JSON."""
+    """Runs ``code`` in a fresh interpreter (SkyPilot's config state stays out of this process); its last stdout line "
+    "is JSON."""
     out = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         env={**os.environ, "SKYPILOT_DISABLE_USAGE_COLLECTION": "1", **env},
@@ -690,7 +691,8 @@ def _run_python(code: str, env: dict[str, str]) -> dict:
 
 
 def test_api_server_loads_the_policy_without_dagster():
-    """The policy loads the way the server loads it, with only what SkyPilot's image has (the Dockerfile's --no-deps)."""
+    """The policy loads the way the server loads it, with only what SkyPilot's image has (the Dockerfile's "
+    "--no-deps)."""
     result = _run_python(
         """
         import importlib.abc, json, sys
@@ -709,7 +711,8 @@ def test_api_server_loads_the_policy_without_dagster():
         from gpudoor_pipelines.launch.resolve.fleet import load_fleet
         import os
         fleet = load_fleet(os.environ["GPUDOOR_FLEET_FILE"])
-        print(json.dumps({"policy": type(policy).__module__ + "." + type(policy).__name__, "pools": sorted(fleet.pools)}))
+        loaded = type(policy).__module__ + "." + type(policy).__name__
+        print(json.dumps({"policy": loaded, "pools": sorted(fleet.pools)}))
         """,
         {"GPUDOOR_FLEET_FILE": str(PROJECT_ROOT / "task_specs" / "fleet.yaml")},
     )

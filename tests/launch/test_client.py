@@ -146,7 +146,8 @@ def test_terminating_the_run_cancels_the_job_and_its_processes(tmp_path):
             import dagster as dg
             from tests.launch.test_client import _asset, _resource
             from pathlib import Path
-            dg.materialize([_asset()], resources={{"skypilot": _resource(Path({str(tmp_path)!r}), Path({str(specs)!r}))}})
+            skypilot = _resource(Path({str(tmp_path)!r}), Path({str(specs)!r}))
+            dg.materialize([_asset()], resources={{"skypilot": skypilot}})
             """
         )
     )

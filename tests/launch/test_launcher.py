@@ -11,8 +11,10 @@ import time
 
 import pytest
 
-from gpudoor_pipelines.launch.launcher import Hooks, Launcher, LaunchSettings
+from gpudoor_pipelines.launch.config import LaunchSettings
+from gpudoor_pipelines.launch.launcher import Launcher
 from gpudoor_pipelines.launch.resolve.fleet import load_fleet
+from gpudoor_pipelines.launch.watch import Hooks
 from tests.conftest import PROJECT_ROOT
 from tests.launch.watch_fakes import TimedBackend
 

@@ -48,7 +48,8 @@ def test_environment_contract(backend):
     job = _job(
         "echo TASK=$SKYPILOT_TASK_ID; echo NODES=$SKYPILOT_NUM_NODES; echo RANK=$SKYPILOT_NODE_RANK; "
         'echo GPUS=$SKYPILOT_NUM_GPUS_PER_NODE; echo IPS=$(echo "$SKYPILOT_NODE_IPS" | wc -l); '
-        'echo INPUT=$INPUT_URI; echo CKPT=$CHECKPOINTS_DIR; test -d "$CHECKPOINTS_DIR" && echo CKPT_EXISTS; echo PWD=$(pwd)',
+        'echo INPUT=$INPUT_URI; echo CKPT=$CHECKPOINTS_DIR; test -d "$CHECKPOINTS_DIR" && echo CKPT_EXISTS; '
+        "echo PWD=$(pwd)",
         envs={"INPUT_URI": "file:///tmp/x"},
         pool_env={"CHECKPOINTS_DIR": "/lustre/checkpoints"},
     )
@@ -208,7 +209,8 @@ def test_service_gets_a_free_loopback_port_and_stops(backend):
     assert backend.clusters() == {}
 
 
-# ----------------------------------------------------------------- warm pools (sky.jobs.pool_apply + launch(pool=, num_jobs=))
+# ----------------------------------------------------------------- warm pools
+# (sky.jobs.pool_apply + launch(pool=, num_jobs=))
 def _pool_job(run: str, *, setup: str | None = None, gpus: int = 1):
     job = _job(run, setup=setup)
     job.config["resources"] = {"accelerators": {"L4": gpus}, "labels": {"gpudoor-user": "ana"}}

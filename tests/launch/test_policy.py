@@ -226,7 +226,9 @@ def test_the_choice_among_gpu_alternatives_does_not_depend_on_the_hash_seed(tmp_
         "import sky, json\n"
         "from gpudoor_pipelines.launch.server.policy import mutate_config, task_config\n"
         "from gpudoor_pipelines.launch.resolve.fleet import load_fleet\n"
-        "task = sky.Task.from_yaml_config({'name': 'sweep', 'run': 'true', 'resources': {'accelerators': {'L4:4': None, 'A100:1': None, 'L4:1': None, 'L40S:1': None}}})\n"
+        "accelerators = {'L4:4': None, 'A100:1': None, 'L4:1': None, 'L40S:1': None}\n"
+        "resources = {'accelerators': accelerators}\n"
+        "task = sky.Task.from_yaml_config({'name': 'sweep', 'run': 'true', 'resources': resources})\n"
         "print(mutate_config(task_config(task, 't'), load_fleet())['resources']['accelerators'])\n"
     )
     seen = set()

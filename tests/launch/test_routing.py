@@ -1,4 +1,5 @@
-"""Routing: by the launcher's step kind, by what the job needs, explicit overrides, caps; bad routes fail before launch."""
+"""Routing: by the launcher's step kind, by what the job needs, explicit overrides, caps; bad routes fail before "
+"launch."""
 
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ import pytest
 
 from gpudoor_pipelines.launch.backends import sky_sdk
 from gpudoor_pipelines.launch.backends import skypilot as skypilot_backend
-from gpudoor_pipelines.launch.launcher import Launcher, LaunchSettings
+from gpudoor_pipelines.launch.config import LaunchSettings
+from gpudoor_pipelines.launch.launcher import Launcher
 from gpudoor_pipelines.launch.resolve.fleet import load_fleet
 from gpudoor_pipelines.launch.watch import Backoff, status_hub
 from tests.launch.fake_sky import FakeSky, Status

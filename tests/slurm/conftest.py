@@ -452,7 +452,8 @@ def bed_state(bed: Testbed) -> str:
         parts.append(
             "--- unfinished managed jobs\n"
             + "\n".join(
-                f"{r['job_id']} {r['job_name']} {ManagedJobs.status_of(r)} recoveries={r['recovery_count']} {r.get('labels')}"
+                f"{r['job_id']} {r['job_name']} {ManagedJobs.status_of(r)} recoveries={r['recovery_count']} "
+                f"{r.get('labels')}"
                 for r in records
             )
         )
@@ -469,7 +470,8 @@ def bed_state(bed: Testbed) -> str:
         parts.append(
             "--- API server requests not finished\n"
             + "\n".join(
-                f"{r.request_id[:8]} {r.name} {r.schedule_type} {r.status} cluster={r.cluster_name} created={r.created_at:.0f}"
+                f"{r.request_id[:8]} {r.name} {r.schedule_type} {r.status} cluster={r.cluster_name} "
+                f"created={r.created_at:.0f}"
                 for r in requests
             )
         )

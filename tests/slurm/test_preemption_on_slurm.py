@@ -141,7 +141,8 @@ def test_a_preempted_training_resumes_from_its_last_checkpoint_and_says_what_it_
     ]
     print(
         f"preempted at checkpoint {preempted['saved']}; resumed from {md['resumed_from_step']}; "
-        f"{md['gpu_hours_lost_to_preemption'] * 3600:.0f} GPU-s lost of {md['gpu_hours_held'] * 3600:.0f} held, goodput {md['goodput']}"
+        f"{md['gpu_hours_lost_to_preemption'] * 3600:.0f} GPU-s lost of {md['gpu_hours_held'] * 3600:.0f} held, "
+        f"goodput {md['goodput']}"
     )
     # Nothing stays held: the job's Slurm allocations (the preempted one and the recovery's) are gone.
     deadline = time.monotonic() + 180

@@ -34,7 +34,8 @@ def test_a_smoke_step_runs_on_a_cluster_of_its_own_relaunched_after_a_preemption
     # attempt after the relaunch finds the mark and ends.
     marker = Path(f"/tmp/gpudoor-bed/markers/smoke-{uuid.uuid4().hex[:8]}")
     run = (
-        f"echo smoke on $GPUDOOR_POOL; echo smoke attempt started; if [ ! -e {marker} ]; then mkdir -p {marker.parent}; "
+        f"echo smoke on $GPUDOOR_POOL; echo smoke attempt started; if [ ! -e {marker} ]; then mkdir -p "
+        f"{marker.parent}; "
         f"touch {marker}; sleep 600; fi; echo smoke done"
     )
     (specs / "smoke.yaml").write_text(

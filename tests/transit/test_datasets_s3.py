@@ -23,14 +23,8 @@ from transit_helpers import (
 )
 
 from gpudoor_pipelines.data.captions import captions_prefix, done_shards, merge_captions
-from gpudoor_pipelines.data.datasets import (
-    DatasetSourceError,
-    list_images,
-    register_dataset,
-    resolver_for,
-    shard_prefix,
-    write_synthetic,
-)
+from gpudoor_pipelines.data.datasets import register_dataset, shard_prefix, write_synthetic
+from gpudoor_pipelines.data.sources import DatasetSourceError, list_images, resolver_for
 from gpudoor_pipelines.transit import uris as transit
 from gpudoor_pipelines.transit.bucket import TransitBucket
 from gpudoor_pipelines.transit.s3 import S3TransitBucket

@@ -21,11 +21,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gpudoor_pipelines.launch.backends.base import Backend, LogFollower, Service
+from gpudoor_pipelines.launch.backends.local_pools import LocalWarmPools
 from gpudoor_pipelines.launch.backends.local_state import (
     LOG_FILE,
     POOL_FILE,
-    QUEUE_DIR,
-    RELEASED_FILE,
     RUNNER_FILE,
     SUPERVISOR_FILE,
     TASK_FILE,
@@ -34,7 +33,6 @@ from gpudoor_pipelines.launch.backends.local_state import (
     free_port,
     group_alive,
     kill_group,
-    queue_lock,
     read_json,
     read_state,
     write_json,
@@ -66,7 +64,7 @@ class _FileFollower(LogFollower):
         return [line.decode(errors="replace") for line in lines]
 
 
-class LocalBackend(Backend):
+class LocalBackend(LocalWarmPools, Backend):
     """Runs jobs as local processes with SkyPilot's environment contract.
 
     Args:
@@ -158,83 +156,6 @@ class LocalBackend(Backend):
         pid = self._start([str(job_dir)], job, job_dir / "runner.stderr")
         write_json(job_dir / RUNNER_FILE, pid=pid, pgid=pid)
         return job_id
-
-    def submit_batch(self, job: ResolvedJob, num_jobs: int, *, pool_name: str, workers: int) -> list[str]:
-        """Queues ``num_jobs`` ranks of ``job`` on the warm pool ``pool_name`` (started, or grown, to ``workers``).
-
-        Like ``sky.jobs.launch(task, pool=..., num_jobs=...)``: each job is told ``SKYPILOT_JOB_RANK``
-        and ``SKYPILOT_NUM_JOBS``; at most ``workers`` run at once; each worker runs the setup once.
-        """
-        if job.num_nodes > 1:
-            raise ValueError(f"{job.name}: a pool runs single-node jobs, not {job.num_nodes} nodes")
-        pool_dir = self.pool_dir(pool_name)
-        (pool_dir / QUEUE_DIR).mkdir(parents=True, exist_ok=True)
-        accelerators = parse_accelerators((job.config.get("resources") or {}).get("accelerators"))
-        ids = []
-        with queue_lock(pool_dir):
-            supervisor = self._supervisor(pool_dir)
-            current = read_json(pool_dir / POOL_FILE) if supervisor else {}
-            write_json(
-                pool_dir / POOL_FILE,
-                name=pool_name,
-                workers=max(workers, int(current.get("workers", 0))),
-                setup=job.config.get("setup"),
-                pool=job.pool,
-                user=job.labels.get(LABEL_USER, "unknown"),
-                labels=dict(job.labels),
-                created_at=current.get("created_at") or time.time(),
-                gpus_per_worker=sum(accelerators.values()),
-                cpus_per_worker=parse_cpus((job.config.get("resources") or {}).get("cpus")),
-                idle_timeout_s=self.pool_idle_timeout_s,
-            )
-            (pool_dir / RELEASED_FILE).unlink(missing_ok=True)
-            if supervisor is None:
-                supervisor = self._start(["--pool", str(pool_dir)], job, pool_dir / "supervisor.stderr")
-                write_json(pool_dir / SUPERVISOR_FILE, pid=supervisor, exiting=False)
-            stamp = time.time_ns()
-            for rank in range(num_jobs):
-                job_id, job_dir = self._prepare(job, False, rank=rank, num_jobs=num_jobs, worker_pool=pool_name)
-                write_json(job_dir / RUNNER_FILE, pid=supervisor)
-                (pool_dir / QUEUE_DIR / f"{stamp:020d}-{rank:06d}").write_text(str(job_dir))
-                ids.append(job_id)
-        return ids
-
-    def pool_dir(self, pool_name: str) -> Path:
-        """The folder of a warm pool."""
-        return self.home / "worker_pools" / pool_name
-
-    def _supervisor(self, pool_dir: Path) -> int | None:
-        """The pid of the pool's live supervisor that is not leaving, else None."""
-        record = read_json(pool_dir / SUPERVISOR_FILE)
-        pid = record.get("pid")
-        return pid if alive(pid) and not record.get("exiting") else None
-
-    def pool_workers(self, pool_name: str) -> int:
-        """Workers of the pool's live supervisor (0 when it has stopped)."""
-        pool_dir = self.pool_dir(pool_name)
-        if self._supervisor(pool_dir) is None:
-            return 0
-        return int(read_json(pool_dir / POOL_FILE).get("workers", 0))
-
-    def release_pool(self, pool_name: str) -> None:
-        """Lets the pool stop once its running jobs end; its queued jobs are cancelled."""
-        pool_dir = self.pool_dir(pool_name)
-        if not pool_dir.is_dir():
-            return
-        with queue_lock(pool_dir):
-            for entry in (pool_dir / QUEUE_DIR).iterdir():
-                try:
-                    job_dir = Path(entry.read_text())
-                    entry.unlink()
-                except FileNotFoundError:
-                    continue
-                write_state(
-                    job_dir,
-                    state=JobState.CANCELLED.value,
-                    ended_at=time.time(),
-                    detail="its pool was released",
-                )
-            (pool_dir / RELEASED_FILE).touch()
 
     def submit(self, job: ResolvedJob) -> str:
         """Starts the job's runner and returns at once."""
@@ -436,16 +357,6 @@ class LocalBackend(Backend):
         if holding.kind == "pool":
             for job_id in self._pool_jobs(holding.id):
                 self.cancel(job_id)
-
-    def _pool_jobs(self, pool_name: str) -> list[str]:
-        """The pool's ranks that have not ended."""
-        out = []
-        for job_dir in self.jobs_root.iterdir() if self.jobs_root.is_dir() else ():
-            if read_json(job_dir / TASK_FILE).get("worker_pool") != pool_name:
-                continue
-            if not JobState(read_state(job_dir).get("state", "PENDING")).is_terminal:
-                out.append(job_dir.name)
-        return out
 
     def check_released(self, holding: Holding) -> ReleaseCheck:
         """Local processes are the scheduler here: a job terminal and its process group gone; a pool's

@@ -157,7 +157,8 @@ class WarmPools:
         self.backend = backend
 
     def submit(self, job: ResolvedJob, num_jobs: int, *, pool_name: str, workers: int) -> list[str]:
-        """``sky.jobs.pool_apply`` (when the pool is missing or too small), then one ``sky.jobs.launch(pool=, num_jobs=)``."""
+        """``sky.jobs.pool_apply`` (when the pool is missing or too small), then one ``sky.jobs.launch(pool=, "
+        "num_jobs=)``."""
         sky = sky_sdk.sky()
         config = {k: v for k, v in job.config.items()}
         # SkyPilot refuses job_recovery on a pool: the pool recovers a job whose worker is preempted on a

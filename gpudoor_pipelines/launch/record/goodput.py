@@ -95,7 +95,8 @@ class PreemptionCost:
         """What the preemptions of job ``job_id`` cost, in words: one line, then one per preemption."""
         lines = [
             f"Job {job_id} was preempted {len(self.preemptions)} time(s) and recovered: "
-            f"{self.gpu_hours_lost:.3f} of {self.gpu_hours_held:.3f} GPU-hours held were lost (goodput {self.goodput:.1%})."
+            f"{self.gpu_hours_lost:.3f} of {self.gpu_hours_held:.3f} GPU-hours held were lost (goodput "
+            f"{self.goodput:.1%})."
         ]
         for p in self.preemptions:
             saved = (

@@ -126,7 +126,8 @@ class LaunchRequest:
         """``<asset>-<partition>-<run id prefix>``, or the cluster's name for a service."""
         if self.cluster_name:
             return self.cluster_name
-        return f"{slug(self.asset or self.spec.name, 30)}-{slug(self.partition or 'all', 24)}-{(self.run_id or 'adhoc')[:8]}"
+        asset, partition = slug(self.asset or self.spec.name, 30), slug(self.partition or "all", 24)
+        return f"{asset}-{partition}-{(self.run_id or 'adhoc')[:8]}"
 
     def env_value(self, name: str) -> str:
         """The value the job gets for a declared env: the launchpad's, else the spec's default."""

@@ -16,7 +16,8 @@ from collections.abc import Iterable, Mapping
 
 from gpudoor_pipelines.launch.errors import LaunchConfigError
 from gpudoor_pipelines.launch.resolve.fleet import Fleet, Pool, did_you_mean, label_value
-from gpudoor_pipelines.launch.resolve.specs import Candidate, TaskSpec
+from gpudoor_pipelines.launch.resolve.sky_parse import Candidate
+from gpudoor_pipelines.launch.resolve.specs import TaskSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +184,8 @@ def _fit(
     if mine + total > pool.user_gpu_cap:
         return _Misfit(
             "resources.accelerators",
-            f"user '{user}' holds {mine} GPUs on '{pool.name}'; with {total} more that is over the per-user cap of {pool.user_gpu_cap}",
+            f"user '{user}' holds {mine} GPUs on '{pool.name}'; with {total} more that is over the per-user cap of "
+            f"{pool.user_gpu_cap}",
             "wait for your jobs to finish or ask for fewer GPUs",
         )
     return gpu, per_node
@@ -291,7 +293,8 @@ def route(
             raise LaunchConfigError(
                 *infra_field,
                 f"'{infra}' is not a pool of the fleet ({fleet.source})",
-                f"use one of {[q.infra for q in fleet.pools.values()]} (a partition may follow, e.g. slurm/onprem/debug)",
+                f"use one of {[q.infra for q in fleet.pools.values()]} (a partition may follow, e.g. "
+                "slurm/onprem/debug)",
             )
         return explicit(p, infra, f"infra override '{infra}'")
     if pool:
@@ -304,7 +307,8 @@ def route(
                 spec.path,
                 "step",
                 f"the fleet has no route for step '{step}'",
-                f"use one of {sorted(fleet.routes)}{did_you_mean(step, fleet.routes)}, or launch without a step to route by GPU",
+                f"use one of {sorted(fleet.routes)}{did_you_mean(step, fleet.routes)}, or launch without a step to "
+                "route by GPU",
             )
         candidates, why = [fleet.pools[n] for n in fleet.routes[step]], f"route for step '{step}'"
     elif spec.is_cpu_only:

@@ -253,7 +253,8 @@ def ttl_rule(d: Draft) -> None:
         d.reject(
             f"labels.{LABEL_TTL}",
             f"a time to live of {asked:g} hours",
-            f"ask for more than 0 and at most {policy.max_interactive_ttl_hours:g} hours (reconciler.max_interactive_ttl_hours in {d.fleet.source})",
+            f"ask for more than 0 and at most {policy.max_interactive_ttl_hours:g} hours "
+            f"(reconciler.max_interactive_ttl_hours in {d.fleet.source})",
         )
     hours = asked if asked is not None else policy.interactive_ttl_hours
     d.notes.append(f"torn down {hours:g} hours after launch (interactive cluster)")
@@ -308,7 +309,8 @@ def secrets_rule(d: Draft) -> None:
             d.reject(
                 f"secrets.{name}",
                 f"'{name}' is not a secret jobs may ask for",
-                f"use one of {sorted(d.fleet.secrets)}, or ask the fleet's admins to add it to `secrets` in {d.fleet.source}",
+                f"use one of {sorted(d.fleet.secrets)}, or ask the fleet's admins to add it to `secrets` in "
+                f"{d.fleet.source}",
             )
     filled = {k: v for k, v in asked.items() if v not in (None, "")}
     for name, value in d.injected.secrets.items():
