@@ -24,4 +24,6 @@ test: $(STAMP)
 	$(VENV)/bin/python tests/lanes.py --reports $${GPUDOOR_TEST_REPORTS:-.test-reports}
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check gpudoor_pipelines workloads tests benchmarks
+	$(VENV)/bin/ruff check gpudoor_pipelines workloads tests benchmarks testbed
+	$(VENV)/bin/ruff format --check gpudoor_pipelines workloads tests benchmarks testbed
+	$(VENV)/bin/lint-imports

@@ -12,10 +12,12 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gpudoor_pipelines.launch.backends.base import Backend
 from gpudoor_pipelines.launch.job import Holding, ReleaseCheck
+
+if TYPE_CHECKING:
+    from gpudoor_pipelines.launch.backends.base import Backend
 
 
 @dataclasses.dataclass(frozen=True)
