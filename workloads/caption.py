@@ -47,6 +47,7 @@ from typing import Any
 
 from gpudoor_pipelines.transit.bucket import MANIFEST_NAME
 from gpudoor_pipelines.transit.uris import bucket_for_uri, join, publish, read_bytes, write_bytes
+from workloads.batch import read_batch_entry, require
 from workloads.caption_parts import CaptionRow, next_part_index, part_bytes, part_name, read_done
 from workloads.config import ConfigError, env_float, env_int, env_str, run_main
 from workloads.reporting import Reporter, open_reporting, saved
@@ -94,29 +95,9 @@ class Settings:
     pipes_env: dict[str, str]
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
-
-
-def _is_str_map(value: Any) -> bool:
-    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
-
-
-def _read_batch(batch_uri: str) -> dict[str, Any]:
-    try:
-        batch = json.loads(read_bytes(batch_uri))
-    except FileNotFoundError:
-        raise ConfigError(f"CAPTION_BATCH_URI={batch_uri!r}: there is no batch file there") from None
-    except ValueError as exc:  # an unsupported URI, or not JSON
-        raise ConfigError(f"CAPTION_BATCH_URI={batch_uri!r}: {exc}") from None
-    _require(isinstance(batch, dict), f"the batch file {batch_uri} is not a JSON object")
-    return batch
-
-
 def _shard_task(entry: Any, where: str) -> ShardTask:
     keys = ("shard", "shard_uri", "output_uri")
-    _require(
+    require(
         isinstance(entry, dict) and all(isinstance(entry.get(k), str) and entry[k] for k in keys),
         f"{where} must be an object with the strings {', '.join(keys)}: {entry!r}",
     )
@@ -135,53 +116,31 @@ def load_settings() -> Settings:
         ConfigError: a setting or the batch file is unusable; the message says which and why.
     """
     model = env_str("CAPTION_MODEL", KNOWN_MODELS[0])
-    _require(
+    require(
         model in KNOWN_MODELS,
         f"CAPTION_MODEL={model!r} is not a known caption model; known: {', '.join(KNOWN_MODELS)}",
     )
     images_per_part = env_int("IMAGES_PER_PART", 256)
-    _require(images_per_part >= 1, f"IMAGES_PER_PART must be at least 1, got {images_per_part}")
+    require(images_per_part >= 1, f"IMAGES_PER_PART must be at least 1, got {images_per_part}")
     throttle_s = env_float("WORKLOAD_THROTTLE_S", 0.0)
-    _require(throttle_s >= 0, f"WORKLOAD_THROTTLE_S must not be negative, got {throttle_s}")
-    rank = env_int("SKYPILOT_JOB_RANK", 0)
-    batch_uri = env_str("CAPTION_BATCH_URI")
-    batch = _read_batch(batch_uri)
-
-    jobs = batch.get("jobs")
-    _require(isinstance(jobs, list) and bool(jobs), f"the batch file {batch_uri} has no list of jobs")
-    if os.environ.get("SKYPILOT_NUM_JOBS", "").strip():
-        num_jobs = env_int("SKYPILOT_NUM_JOBS")
-        _require(
-            num_jobs == len(jobs),
-            f"SKYPILOT_NUM_JOBS={num_jobs} but the batch file {batch_uri} has {len(jobs)} jobs",
-        )
-    _require(
-        0 <= rank < len(jobs),
-        f"SKYPILOT_JOB_RANK={rank} is out of range: the batch file {batch_uri} has {len(jobs)} jobs "
-        f"(ranks 0 to {len(jobs) - 1})",
-    )
-    window_end = batch.get("window_end")
-    _require(
+    require(throttle_s >= 0, f"WORKLOAD_THROTTLE_S must not be negative, got {throttle_s}")
+    read = read_batch_entry("CAPTION_BATCH_URI")
+    window_end = read.batch.get("window_end")
+    require(
         window_end is None or (isinstance(window_end, int | float) and not isinstance(window_end, bool)),
-        f"window_end in {batch_uri} must be UNIX seconds or null, got {window_end!r}",
+        f"window_end in {read.uri} must be UNIX seconds or null, got {window_end!r}",
     )
-
-    where = f"jobs[{rank}] of {batch_uri}"
-    entry = jobs[rank]
-    _require(isinstance(entry, dict), f"{where} must be an object, got {entry!r}")
-    shards = entry.get("shards")
-    _require(isinstance(shards, list), f"{where} has no list of shards")
-    pipes_env = entry.get("pipes_env") or {}
-    _require(_is_str_map(pipes_env), f"{where}: pipes_env must map names to strings")
+    shards = read.entry.get("shards")
+    require(isinstance(shards, list), f"{read.where} has no list of shards")
     return Settings(
         model=model,
         images_per_part=images_per_part,
         throttle_s=throttle_s,
         window_end=None if window_end is None else float(window_end),
-        rank=rank,
-        num_jobs=len(jobs),
-        shards=[_shard_task(s, f"{where}: shards[{i}]") for i, s in enumerate(shards)],
-        pipes_env=pipes_env,
+        rank=read.rank,
+        num_jobs=read.num_jobs,
+        shards=[_shard_task(s, f"{read.where}: shards[{i}]") for i, s in enumerate(shards)],
+        pipes_env=read.pipes_env,
     )
 
 

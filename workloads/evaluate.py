@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gpudoor_pipelines.transit.uris import bucket_for_uri, join, read_bytes, write_bytes
+from workloads.batch import read_batch_entry, require
 from workloads.checkpoints import checkpoint_file_uri
 from workloads.config import ConfigError, env_int, env_str, run_main
 from workloads.reporting import open_reporting, saved
@@ -210,31 +211,11 @@ class BatchSettings:
     pipes_env: dict[str, str]
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
-
-
-def _is_str_map(value: Any) -> bool:
-    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
-
-
-def _read_batch(batch_uri: str) -> dict[str, Any]:
-    try:
-        batch = json.loads(read_bytes(batch_uri))
-    except FileNotFoundError:
-        raise ConfigError(f"EVAL_BATCH_URI={batch_uri!r}: there is no batch file there") from None
-    except ValueError as exc:  # an unsupported URI, or not JSON
-        raise ConfigError(f"EVAL_BATCH_URI={batch_uri!r}: {exc}") from None
-    _require(isinstance(batch, dict), f"the batch file {batch_uri} is not a JSON object")
-    return batch
-
-
 def _checkpoint_task(entry: Any, where: str) -> CheckpointTask:
-    _require(isinstance(entry, dict), f"{where} must be an object with {', '.join(CHECKPOINT_KEYS)}: {entry!r}")
+    require(isinstance(entry, dict), f"{where} must be an object with {', '.join(CHECKPOINT_KEYS)}: {entry!r}")
     for key in CHECKPOINT_KEYS:
-        _require(key in entry, f"{where} has no {key}")
-        _require(
+        require(key in entry, f"{where} has no {key}")
+        require(
             isinstance(entry[key], str) and bool(entry[key]),
             f"{where}.{key} must be a non-empty string, got {entry[key]!r}",
         )
@@ -253,38 +234,16 @@ def load_batch_settings() -> BatchSettings:
         ConfigError: a setting or the batch file is unusable; the message says which and why.
     """
     batch_size = env_int("EVAL_BATCH_SIZE", 64)
-    _require(batch_size >= 1, "EVAL_BATCH_SIZE must be >= 1")
-    rank = env_int("SKYPILOT_JOB_RANK", 0)
-    batch_uri = env_str("EVAL_BATCH_URI")
-    batch = _read_batch(batch_uri)
-
-    jobs = batch.get("jobs")
-    _require(isinstance(jobs, list) and bool(jobs), f"the batch file {batch_uri} has no list of jobs")
-    if os.environ.get("SKYPILOT_NUM_JOBS", "").strip():
-        num_jobs = env_int("SKYPILOT_NUM_JOBS")
-        _require(
-            num_jobs == len(jobs),
-            f"SKYPILOT_NUM_JOBS={num_jobs} but the batch file {batch_uri} has {len(jobs)} jobs",
-        )
-    _require(
-        0 <= rank < len(jobs),
-        f"SKYPILOT_JOB_RANK={rank} is out of range: the batch file {batch_uri} has {len(jobs)} jobs "
-        f"(ranks 0 to {len(jobs) - 1})",
-    )
-
-    where = f"jobs[{rank}] of {batch_uri}"
-    entry = jobs[rank]
-    _require(isinstance(entry, dict), f"{where} must be an object, got {entry!r}")
-    checkpoints = entry.get("checkpoints")
-    _require(isinstance(checkpoints, list), f"{where} has no list of checkpoints")
-    pipes_env = entry.get("pipes_env") or {}
-    _require(_is_str_map(pipes_env), f"{where}: pipes_env must map names to strings")
+    require(batch_size >= 1, "EVAL_BATCH_SIZE must be >= 1")
+    read = read_batch_entry("EVAL_BATCH_URI")
+    checkpoints = read.entry.get("checkpoints")
+    require(isinstance(checkpoints, list), f"{read.where} has no list of checkpoints")
     return BatchSettings(
         batch_size=batch_size,
-        rank=rank,
-        num_jobs=len(jobs),
-        checkpoints=[_checkpoint_task(c, f"{where}: checkpoints[{i}]") for i, c in enumerate(checkpoints)],
-        pipes_env=pipes_env,
+        rank=read.rank,
+        num_jobs=read.num_jobs,
+        checkpoints=[_checkpoint_task(c, f"{read.where}: checkpoints[{i}]") for i, c in enumerate(checkpoints)],
+        pipes_env=read.pipes_env,
     )
 
 
