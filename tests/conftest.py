@@ -142,5 +142,10 @@ def pytest_runtest_logreport(report):
     with open(_EVENTS, "a") as out:
         out.write(f"{outcome}\t{report.when}\t{report.duration:.2f}\t{report.nodeid}\t{why}\n")
     if failed:
+        captured = "".join(
+            f"\n----- {title}\n{text[-4000:]}" for title, text in report.sections if "log" in title or "std" in title
+        )
         with open(_EVENTS + ".failures", "a") as out:
-            out.write(f"\n===== {outcome.upper()} {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
+            out.write(
+                f"\n===== {outcome.upper()} {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}{captured}\n"
+            )
