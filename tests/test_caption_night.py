@@ -155,7 +155,8 @@ def test_a_job_killed_mid_shard_resumes_without_recaptioning(tmp_path):
 
     killer = threading.Thread(target=kill_after_first_part)
     killer.start()
-    config = {"env": {"IMAGES_PER_PART": "4", "WORKLOAD_THROTTLE_S": "0.3"}}
+    # Three parts of 2.4 s: a window of about 5 s to catch the job between its first and its last part.
+    config = {"env": {"IMAGES_PER_PART": "4", "WORKLOAD_THROTTLE_S": "0.6"}}
     result = night.materialize("caption_shards", config=config, shards=[shard])
     killer.join()
     assert killed, "the job was never caught mid-shard"
@@ -190,17 +191,18 @@ def test_a_job_killed_mid_shard_resumes_without_recaptioning(tmp_path):
 def test_a_night_that_reaches_its_end_stops_launching_and_the_next_night_finishes(tmp_path):
     night = Night(tmp_path, free_gpus=1)
     assert night.materialize("dataset_shards", config={"num_images": 24, "shard_size": 4, "image_size": 16}).success
-    # 24 images at 1 s each cannot all be done by the end; a loaded machine may take ~10 s to start the
-    # job (Dagster run, worker, imports), which still leaves time for a first shard (4 s) before the end.
-    end = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=15)
-    slow = {"env": {"IMAGES_PER_PART": "2", "WORKLOAD_THROTTLE_S": "1.0"}, "shards_per_job": 6}
+    # 24 images at 2 s each (48 s) cannot all be done by the end; a loaded machine may take ~15 s to start
+    # the job (Dagster run, worker, imports), which still leaves time for a first shard (8 s) before the end.
+    end = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=25)
+    slow = {"env": {"IMAGES_PER_PART": "1", "WORKLOAD_THROTTLE_S": "2.0"}, "shards_per_job": 6}
     first = night.materialize("caption_shards", config={**slow, "window_end": end.isoformat()}, shards=night.shards)
     assert first.success  # shards left for the next night are not a failure
     done_first = night.materialized()
     assert 0 < len(done_first) < 6
-    # Nothing started after the end: every part was written before it (a running part may finish).
+    # Nothing started after the end: every part was written before it (a running part, 2 s, may finish,
+    # and the job then exits).
     finished = [j["ended_at"] for j in night.batch_jobs()]
-    assert all(t < end.timestamp() + 5 for t in finished)
+    assert all(t < end.timestamp() + 8 for t in finished)
 
     second = night.materialize("caption_shards", config={"env": {"IMAGES_PER_PART": "2"}}, shards=night.shards)
     assert second.success
