@@ -41,6 +41,17 @@ def _pump(stream, log, lock: threading.Lock, prefix: str) -> None:
             log.flush()
 
 
+def _setup_failed(job_dir: Path, codes: list[int], what: str) -> None:
+    exit_code = max(codes)
+    write_state(
+        job_dir,
+        state=JobState.FAILED_SETUP.value,
+        ended_at=time.time(),
+        exit_code=exit_code,
+        detail=f"{what} exited with {exit_code}",
+    )
+
+
 def _run_phase(command: str, envs: list[dict[str, str]], cwd: str, log, lock: threading.Lock) -> list[int]:
     procs = []
     pumps = []
@@ -145,13 +156,7 @@ def main(job_dir_arg: str) -> int:
             if cancelled.is_set():
                 return 0
             if any(codes):
-                write_state(
-                    job_dir,
-                    state=JobState.FAILED_SETUP.value,
-                    ended_at=time.time(),
-                    exit_code=max(codes),
-                    detail=f"setup exited with {max(codes)}",
-                )
+                _setup_failed(job_dir, codes, "setup")
                 return 0
         write_state(job_dir, state=JobState.RUNNING.value, started_at=time.time())
         codes = _run_phase(config["run"], [rank_env(r, "run") for r in range(num_nodes)], task["workdir"], log, lock)
@@ -245,13 +250,7 @@ def _run_pooled(job_dir: Path, spec: dict, warm: bool, slot: int) -> bool:
             setup_env = {**env, "SKYPILOT_SETUP_NODE_RANK": "0", "SKYPILOT_SETUP_NODE_IPS": "127.0.0.1"}
             codes = _run_phase(spec["setup"], [setup_env], task["workdir"], log, log_lock)
             if any(codes):
-                write_state(
-                    job_dir,
-                    state=JobState.FAILED_SETUP.value,
-                    ended_at=time.time(),
-                    exit_code=max(codes),
-                    detail=f"the pool's setup exited with {max(codes)}",
-                )
+                _setup_failed(job_dir, codes, "the pool's setup")
                 return False
         proc = subprocess.Popen(
             ["bash", "-c", config["run"]],
