@@ -17,8 +17,12 @@ if ! /usr/bin/python3 -c 'import ensurepip' 2>/dev/null; then
 fi
 mkdir -p "$(dirname "$ENV_DIR")"
 /usr/bin/python3 -m venv "$ENV_DIR"
-# Root's pip settings find the on-disk CPU wheel of torch (no multi-GB CUDA download).
-"$ENV_DIR/bin/pip" install -q 'torch==2.13.0' pillow boto3 pandas pyarrow 'dagster-pipes==1.13.27' 2>&1 | grep -v "is ignored" || true
+# uv installs (as for the project's environment, see the Makefile); pip's find-links hold the on-disk CPU
+# wheel of torch (no multi-GB CUDA download).
+"$ENV_DIR/bin/pip" install -q 'uv==0.13.9' 2>&1 | grep -v "is ignored" || true
+UV_FIND_LINKS="${UV_FIND_LINKS:-${PIP_FIND_LINKS:-$("$ENV_DIR/bin/pip" config get global.find-links 2>/dev/null)}}" \
+  UV_SYSTEM_CERTS=1 "$ENV_DIR/bin/uv" pip install -q --python "$ENV_DIR/bin/python" \
+  'torch==2.13.0' pillow boto3 pandas pyarrow 'dagster-pipes==1.13.27'
 "$ENV_DIR/bin/python" -c "$NEED"
 chmod -R a+rX "$ENV_DIR"
 echo "node env built: $ENV_DIR"

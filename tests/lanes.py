@@ -3,8 +3,12 @@
 The test bed's tests (``tests/slurm``) mostly wait on SkyPilot's controller and Slurm: they run in a lane of
 their own beside the rest, so the waiting overlaps. One bed lane, not several: the bed's controller spends
 CPU on every look at a job, and two bed lanes beside the rest overload a 2-core machine until the bed's own
-bounded waits run out. The rest runs at a lower CPU priority (``nice``), so the bed's processes, whose
-timing the bed tests assert on, go first and the rest fills the bed's waits.
+bounded waits run out. The rest runs with a small CPU share, so the bed's processes, whose timing the bed
+tests assert on, go first and the rest fills the bed's waits. ``nice`` alone does not do that: with the
+kernel's autogroups every session (the lane's, the bed's API server's, each SSH login of SkyPilot's) gets an
+equal share whatever its niceness, and the rest's own subprocesses start sessions of their own. So the lane
+runs in a CPU cgroup of its own with the weight of its niceness (``CpuGroup``; root only), and under ``nice``
+where that cannot be made.
 
 Each lane writes ``<reports>/<lane>.log`` (its whole output) and ``<reports>/<lane>.xml`` (JUnit); at the end
 this prints, for every lane that failed, its failures, then one summary: each lane's seconds and outcome,
@@ -23,6 +27,7 @@ Usage: ``python tests/lanes.py [--reports DIR] [--only LANE ...]``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -56,8 +61,9 @@ class Lane:
     name: str
     args: list[str]
     bed: bool = False
-    #: Added to the lane's niceness (its CPU priority below the bed's).
+    #: Added to the lane's niceness (its CPU priority below the bed's), and its CPU cgroup's weight.
     nice: int = 0
+    cpu_group: CpuGroup | None = None
     proc: subprocess.Popen | None = None
     started: float = 0.0
     seconds: float = 0.0
@@ -115,6 +121,47 @@ def _bring_up_bed(reports: Path) -> bool:
     return True
 
 
+class CpuGroup:
+    """A CPU cgroup whose processes, everything they start included, share the CPU against the rest of the
+    machine as one process of niceness ``nice`` would (cgroup v1's ``cpu.shares`` or v2's ``cpu.weight``).
+    ``make()`` returns None where no cgroup can be made (not root, no CPU controller)."""
+
+    def __init__(self, path: Path, parent_procs: Path) -> None:
+        self.path, self.parent_procs = path, parent_procs
+
+    @classmethod
+    def make(cls, name: str, nice: int) -> CpuGroup | None:
+        weight = max(2, round(1024 / 1.25**nice))  # the kernel's weight for that niceness, near enough
+        v1, v2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
+        try:
+            if (v1 / "cpu.shares").is_file():
+                group, setting = v1 / f"gpudoor-lane-{name}", ("cpu.shares", weight)
+            elif "cpu" in (v2 / "cgroup.controllers").read_text().split():
+                (v2 / "cgroup.subtree_control").write_text("+cpu")
+                group, setting = v2 / f"gpudoor-lane-{name}", ("cpu.weight", max(1, weight * 100 // 1024))
+            else:
+                return None
+            group.mkdir(exist_ok=True)
+            (group / setting[0]).write_text(str(setting[1]))
+        except OSError:
+            return None
+        return cls(group, group.parent / "cgroup.procs")
+
+    def enter(self) -> None:
+        """Moves the calling process in (run in the lane's process before it starts pytest)."""
+        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def remove(self) -> None:
+        """Moves whatever is left back out and removes the group."""
+        try:
+            for pid in (self.path / "cgroup.procs").read_text().split():
+                with contextlib.suppress(OSError):
+                    self.parent_procs.write_text(pid)
+            self.path.rmdir()
+        except OSError:
+            pass
+
+
 def _start(lane: Lane, reports: Path) -> None:
     args = [
         *(["nice", "-n", str(lane.nice)] if lane.nice else []),
@@ -133,8 +180,15 @@ def _start(lane: Lane, reports: Path) -> None:
     env = {**os.environ, "GPUDOOR_LANE_EVENTS": str(reports / f"{lane.name}.events")}
     out = open(reports / f"{lane.name}.log", "w")  # noqa: SIM115 - closed when the lane ends
     lane.started = time.monotonic()
+    lane.cpu_group = CpuGroup.make(lane.name, lane.nice) if lane.nice else None
     lane.proc = subprocess.Popen(
-        args, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        args,
+        cwd=REPO_ROOT,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+        preexec_fn=lane.cpu_group.enter if lane.cpu_group else None,
     )
     out.close()
 
@@ -275,12 +329,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for lane in lane_list:
             _start(lane, reports)
-            print(f"lane {lane.name}: {' '.join(lane.args)}  (log: {reports / (lane.name + '.log')})", flush=True)
+            share = (
+                f", CPU share of nice {lane.nice} in {lane.cpu_group.path}"
+                if lane.cpu_group
+                else f", nice {lane.nice} (no CPU cgroup could be made)"
+                if lane.nice
+                else ""
+            )
+            log = reports / (lane.name + ".log")
+            print(f"lane {lane.name}: {' '.join(lane.args)}  (log: {log}{share})", flush=True)
         _wait(lane_list)
     finally:
         for lane in lane_list:
             if lane.proc is not None and lane.proc.poll() is None:
                 os.killpg(lane.proc.pid, signal.SIGKILL)
+            if lane.cpu_group:
+                lane.cpu_group.remove()
         if brought_up:
             print("taking the test bed down again (this run brought it up)", flush=True)
             with open(reports / "bed-down.log", "w") as out:
