@@ -73,7 +73,7 @@ class Lane:
 
 def lanes() -> list[Lane]:
     """The lanes: everything but the bed (at a lower CPU priority), and the bed's tests."""
-    return [Lane("unit", ["tests", f"--ignore={SLURM}"], nice=10), Lane("bed", [SLURM], bed=True)]
+    return [Lane("unit", ["tests", f"--ignore={SLURM}"], nice=7), Lane("bed", [SLURM], bed=True)]
 
 
 def _bed_is_up() -> bool:

@@ -155,8 +155,9 @@ def test_a_job_killed_mid_shard_resumes_without_recaptioning(tmp_path):
 
     killer = threading.Thread(target=kill_after_first_part)
     killer.start()
-    # Three parts of 2.4 s: a window of about 5 s to catch the job between its first and its last part.
-    config = {"env": {"IMAGES_PER_PART": "4", "WORKLOAD_THROTTLE_S": "0.6"}}
+    # Six parts of 2.4 s: a window of about 12 s to catch the job between its first and its last part, wide
+    # enough for a machine whose other lane starves this one (sleeping costs no CPU).
+    config = {"env": {"IMAGES_PER_PART": "2", "WORKLOAD_THROTTLE_S": "1.2"}}
     result = night.materialize("caption_shards", config=config, shards=[shard])
     killer.join()
     assert killed, "the job was never caught mid-shard"
