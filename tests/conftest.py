@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,6 +19,14 @@ SPECS_DIR = PROJECT_ROOT / "task_specs"
 os.environ["SKYPILOT_DISABLE_USAGE_COLLECTION"] = "1"
 # A SkyPilot client that has no endpoint must fail, never start a private API server of its own.
 os.environ["SKYPILOT_DISABLE_LOCAL_API_SERVER"] = "1"
+
+# Started from a background shell (CI, nohup), pytest inherits SIGINT ignored; each Dagster run then copies
+# SIGINT's disposition to SIGTERM, and every program a test starts afterwards would ignore SIGTERM too (a
+# job that cannot be stopped the way SkyPilot and the local runner stop it). Tests start from the defaults.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @pytest.fixture(autouse=True)
