@@ -8,7 +8,11 @@
 set -euo pipefail
 ENV_DIR="${GPUDOOR_TESTBED_NODE_ENV:-/var/lib/gpudoor-testbed/nodeenv}"
 NEED="import torch, PIL, boto3, pandas, pyarrow, dagster_pipes"
+# The jobs run as the login user, who cannot write into this root-owned environment: its bytecode is compiled
+# here, once (otherwise every job would compile torch and pandas from source as it imports them).
+compiled() { "$ENV_DIR/bin/python" -m compileall -q -j 0 "$("$ENV_DIR/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null; }
 if [[ -x "$ENV_DIR/bin/python" ]] && "$ENV_DIR/bin/python" -c "$NEED" 2>/dev/null; then
+  compiled || true
   echo "node env ready: $ENV_DIR"
   exit 0
 fi
@@ -21,7 +25,7 @@ mkdir -p "$(dirname "$ENV_DIR")"
 # wheel of torch (no multi-GB CUDA download).
 "$ENV_DIR/bin/pip" install -q 'uv==0.13.9' 2>&1 | grep -v "is ignored" || true
 UV_FIND_LINKS="${UV_FIND_LINKS:-${PIP_FIND_LINKS:-$("$ENV_DIR/bin/pip" config get global.find-links 2>/dev/null)}}" \
-  UV_SYSTEM_CERTS=1 "$ENV_DIR/bin/uv" pip install -q --python "$ENV_DIR/bin/python" \
+  UV_SYSTEM_CERTS=1 "$ENV_DIR/bin/uv" pip install -q --compile-bytecode --python "$ENV_DIR/bin/python" \
   'torch==2.13.0' pillow boto3 pandas pyarrow 'dagster-pipes==1.13.27'
 "$ENV_DIR/bin/python" -c "$NEED"
 chmod -R a+rX "$ENV_DIR"
