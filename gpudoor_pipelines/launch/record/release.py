@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gpudoor_pipelines.launch.job import Holding, ReleaseCheck
+from gpudoor_pipelines.launch.watch import Backoff
 
 if TYPE_CHECKING:
     from gpudoor_pipelines.launch.backends.base import Backend
@@ -61,6 +62,11 @@ class ReleaseOutcome:
         }
 
 
+#: The longest wait between two looks at a release: a SkyPilot cancel takes tens of seconds to a few minutes,
+#: and each look is a status request the API server answers by starting a process.
+MOST_BETWEEN_LOOKS_S = 10.0
+
+
 def release_and_verify(
     backend: Backend,
     holdings: Sequence[Holding],
@@ -72,7 +78,9 @@ def release_and_verify(
     sleep: Callable[[float], None] = time.sleep,
 ) -> list[ReleaseOutcome]:
     """Asks for each holding to be released (``ask=False``: the caller already did), then looks at those
-    not yet confirmed every ``poll_s`` until each shows nothing held or ``timeout_s`` has passed.
+    not yet confirmed, ``poll_s`` after the request and then less and less often (doubling while a look
+    confirms nothing new, up to :data:`MOST_BETWEEN_LOOKS_S`), until each shows nothing held or
+    ``timeout_s`` has passed.
 
     Returns one outcome per holding, in order. A failed request is recorded, and the holding is still
     looked at (it may have been released by someone else).
@@ -82,9 +90,12 @@ def release_and_verify(
     pending = {h.key: h for h in holdings}
     done: dict[str, ReleaseOutcome] = {}
     last: dict[str, ReleaseCheck] = {}
+    looks = Backoff(poll_s, max(poll_s, MOST_BETWEEN_LOOKS_S))
+    wait: float | None = None
     while True:
         # One look at everything still pending: on SkyPilot a few requests, whatever their number.
         checks = backend.check_released_all(list(pending.values()))
+        before = len(pending)
         for key, h in list(pending.items()):
             check = checks.get(key) or ReleaseCheck(False, ("not looked at",))
             last[key] = check
@@ -93,7 +104,8 @@ def release_and_verify(
                 del pending[key]
         if not pending or clock() - start >= timeout_s:
             break
-        sleep(min(poll_s, max(0.0, timeout_s - (clock() - start))))
+        wait = poll_s if wait is None else looks.after(changed=len(pending) < before)
+        sleep(min(wait, max(0.0, timeout_s - (clock() - start))))
     for key, h in pending.items():
         done[key] = ReleaseOutcome(h, False, clock() - start, last[key].seen, errors.get(key, ""))
     return [done[h.key] for h in holdings]
