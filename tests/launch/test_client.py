@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -107,28 +108,44 @@ def test_unknown_pool_tag_fails_before_anything_launches(tmp_path):
 def test_retried_step_reattaches_to_the_running_job(tmp_path):
     specs = _specs(tmp_path, "echo should-not-run-twice")
     backend = LocalBackend(home=tmp_path / "home")
-    # A job from an earlier attempt of the same step, still running.
+    # A job from an earlier attempt of the same step, still running: it ends once the step said it re-attached
+    # (a fixed sleep could end before a loaded machine starts the step).
     from gpudoor_pipelines.launch.resolve.request import ResolvedJob
 
+    reattached = tmp_path / "reattached"
+    until_reattached = f"for i in $(seq 600); do [ -e {reattached} ] && break; sleep 0.2; done"
     earlier = backend.submit(
         ResolvedJob(
             name="earlier",
             config={
                 "name": "earlier",
                 "resources": {"accelerators": "L4:1"},
-                "run": "sleep 10; echo earlier-attempt-done",
+                "run": f"{until_reattached}; echo earlier-attempt-done",
             },
             workdir=str(PROJECT_ROOT),
             pool="onprem",
         )
     )
     with dg.instance_for_test() as instance:
+
+        def mark_when_reattached() -> None:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                for run in instance.get_runs():
+                    if any("Re-attaching to job" in (e.user_message or "") for e in instance.all_logs(run.run_id)):
+                        reattached.touch()
+                        return
+                time.sleep(0.2)
+
+        watcher = threading.Thread(target=mark_when_reattached, daemon=True)
+        watcher.start()
         result = dg.materialize(
             [_asset()],
             resources={"skypilot": _resource(tmp_path, specs)},
             instance=instance,
             tags={"gpudoor/job-probe-asset-caption": f"local:{earlier}"},
         )
+        watcher.join(timeout=5)
         assert result.success
         logs = [e.user_message for e in instance.all_logs(result.run_id)]
         assert any("Re-attaching to job" in m for m in logs)
