@@ -19,6 +19,12 @@ managed-jobs controllers it spawns, and clients. It does nothing unless
    them a few seconds (``GPUDOOR_TESTBED_STOCK_WAITS=1`` keeps SkyPilot's own). What the controllers
    do is unchanged; only how soon they look again. SkyPilot reads these values where it uses them,
    so setting them when their module is imported is enough.
+
+   A look at a job on a cluster is not free: SkyPilot runs a Python program on the node over SSH that
+   imports SkyPilot (about 1.5 CPU-s here). The looks that repeat for as long as a job or a warm pool's
+   worker lives (a job's status check, a pool's job status fetch and readiness probe) are spaced so
+   that, with two bed lanes side by side, they leave the 2-core machine room for everything else:
+   a few seconds more before an ended or preempted job is seen, against a machine that stays responsive.
 """
 
 import importlib.abc
@@ -30,7 +36,7 @@ _PROBE_MODULE = "sky.backends.backend_utils"
 #: module -> {attribute (``Class.attribute`` for a class's): seconds}
 _WAITS = {
     "sky.jobs.utils": {
-        "JOB_STATUS_CHECK_GAP_SECONDS": 6,
+        "JOB_STATUS_CHECK_GAP_SECONDS": 10,
         "JOB_STARTED_STATUS_CHECK_GAP_SECONDS": 1,
         "_LOG_STREAM_CHECK_CONTROLLER_GAP_SECONDS": 1,
     },
@@ -42,13 +48,13 @@ _WAITS = {
     "sky.serve.replica_managers": {
         "_RETRY_INIT_GAP_SECONDS": 5,
         "_PROCESS_POOL_REFRESH_INTERVAL": 3,
-        "_JOB_STATUS_FETCH_INTERVAL": 3,
+        "_JOB_STATUS_FETCH_INTERVAL": 10,
     },
     "sky.serve.constants": {
         "AUTOSCALER_DEFAULT_DECISION_INTERVAL_SECONDS": 3,
         "AUTOSCALER_NO_REPLICA_DECISION_INTERVAL_SECONDS": 2,
-        "DEFAULT_ENDPOINT_PROBE_INTERVAL_SECONDS": 3,
-        "ENDPOINT_PROBE_INTERVAL_SECONDS": 3,
+        "DEFAULT_ENDPOINT_PROBE_INTERVAL_SECONDS": 5,
+        "ENDPOINT_PROBE_INTERVAL_SECONDS": 5,
     },
 }
 
