@@ -1,21 +1,20 @@
 """``make test``: the test lanes side by side, each with a bound, and a report that names what failed.
 
-The test bed's tests (``tests/slurm``) mostly wait on SkyPilot's controller and Slurm: they run in a lane of
-their own beside the rest, so the waiting overlaps. One bed lane, not several: the bed's controller spends
-CPU on every look at a job, and two bed lanes beside the rest overload a 2-core machine until the bed's own
-bounded waits run out. The rest runs with a small CPU share, so the bed's processes, whose timing the bed
-tests assert on, go first and the rest fills the bed's waits. ``nice`` alone does not do that: with the
-kernel's autogroups every session (the lane's, the bed's API server's, each SSH login of SkyPilot's) gets an
-equal share whatever its niceness, and the rest's own subprocesses start sessions of their own. So the lane
-runs in a CPU cgroup of its own with the weight of its niceness (``CpuGroup``; root only), and under ``nice``
-where that cannot be made.
+The test bed's tests (``tests/slurm``) mostly wait on SkyPilot's controllers and Slurm, so they run in two lanes
+of their own beside the rest, split by the GPUs they hold (``BED_LANES``): neither lane's jobs change where the
+other's land. Every look SkyPilot takes at a job is a Python process on the 2-core machine, so the waiting is
+not free: the rest runs with a small CPU share, so that the bed's processes, whose timing the bed tests assert
+on, go first and the rest fills the bed's waits. ``nice`` alone does not do that: with the kernel's autogroups
+every session (the lane's, the bed's API server's, each SSH login of SkyPilot's) gets an equal share whatever its
+niceness, and the rest's own subprocesses start sessions of their own. So that lane runs in a CPU cgroup of its
+own with the weight of its niceness (``CpuGroup``; root only), and under ``nice`` where that cannot be made.
 
 Each lane writes ``<reports>/<lane>.log`` (its whole output) and ``<reports>/<lane>.xml`` (JUnit); at the end
 this prints, for every lane that failed, its failures, then one summary: each lane's seconds and outcome,
 every failed test with the file that holds its log, the reruns, and the ten slowest tests. The summary is also
 written to ``<reports>/summary.txt``.
 
-Only the bed lane may rerun a test, once, and only when it failed because the bed's API server refused the
+Only a bed lane may rerun a test, once, and only when it failed because the bed's API server refused the
 connection (a loaded machine); an assertion failure is never rerun, and a rerun is listed.
 
 When a bed lane runs and the bed is not up, it is brought up first (``testbed/up.sh``, needs root) and taken
@@ -71,9 +70,46 @@ class Lane:
     cut_off: bool = False
 
 
+#: The bed's tests in two lanes, by the GPUs they hold, so that neither lane's jobs change where the other's land:
+#: ``bed-onprem`` holds the onprem pool (the caption nights' warm pools, the shard that must find onprem free and
+#: spill to inference); ``bed-h200`` the h200 pool (trainings, the killed run worker, the smoke step cluster) and
+#: the inference GPU a job is evicted from (it moves to spare, the second L4). Each test holds at most what its
+#: pool's cap leaves the other lane (testbed/fleet.yaml).
+BED_LANES = {
+    "bed-onprem": ["test_caption_preemption_on_slurm.py", "test_client_on_slurm.py"],
+    "bed-h200": [
+        "test_eviction_on_slurm.py",
+        "test_preemption_on_slurm.py",
+        "test_reconciler_on_slurm.py",
+        "test_step_cluster_on_slurm.py",
+    ],
+}
+
+
+#: The rest in two lanes, so that both cores work once the bed's lanes are done: the programs the jobs run and
+#: the transit bucket (``unit-io``) beside everything else (``unit``), whose browser tests come last, when the
+#: bed's lanes are most likely done (they wait on a browser within bounds, and a starved browser misses them).
+IO_TESTS = ["tests/workloads", "tests/transit", "tests/test_caption_night.py"]
+LAST_TESTS = ["tests/e2e"]
+
+
 def lanes() -> list[Lane]:
-    """The lanes: everything but the bed (at a lower CPU priority), and the bed's tests."""
-    return [Lane("unit", ["tests", f"--ignore={SLURM}"], nice=7), Lane("bed", [SLURM], bed=True)]
+    """The lanes: the rest in two lanes at a lower CPU priority, and the bed's tests in two lanes."""
+    placed = {name for files in BED_LANES.values() for name in files}
+    unplaced = sorted(p.name for p in (REPO_ROOT / SLURM).glob("test_*.py") if p.name not in placed)
+    if unplaced:  # a new bed test file must say which lane's GPUs it holds
+        raise SystemExit(f"tests/lanes.py: no bed lane for {', '.join(unplaced)}; add it to BED_LANES")
+    tests = REPO_ROOT / "tests"
+    first = sorted(
+        str(p.relative_to(REPO_ROOT))
+        for p in [*tests.glob("test_*.py"), *(d for d in tests.iterdir() if d.is_dir() and any(d.rglob("test_*.py")))]
+        if str(p.relative_to(REPO_ROOT)) not in (*IO_TESTS, *LAST_TESTS, SLURM)
+    )
+    return [
+        Lane("unit", [*first, *LAST_TESTS], nice=7),
+        Lane("unit-io", IO_TESTS, nice=7),
+        *(Lane(name, [f"{SLURM}/{f}" for f in files], bed=True) for name, files in BED_LANES.items()),
+    ]
 
 
 def _bed_is_up() -> bool:
@@ -181,6 +217,16 @@ def _start(lane: Lane, reports: Path) -> None:
     out = open(reports / f"{lane.name}.log", "w")  # noqa: SIM115 - closed when the lane ends
     lane.started = time.monotonic()
     lane.cpu_group = CpuGroup.make(lane.name, lane.nice) if lane.nice else None
+    group = lane.cpu_group
+
+    def prepare() -> None:
+        # A lane started from a background shell would inherit SIGINT ignored, and the Ctrl-C that cuts it
+        # off (``_cut_off``) would do nothing.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if group is not None:
+            group.enter()
+
     lane.proc = subprocess.Popen(
         args,
         cwd=REPO_ROOT,
@@ -188,7 +234,7 @@ def _start(lane: Lane, reports: Path) -> None:
         stderr=subprocess.STDOUT,
         env=env,
         start_new_session=True,
-        preexec_fn=lane.cpu_group.enter if lane.cpu_group else None,
+        preexec_fn=prepare,
     )
     out.close()
 

@@ -2,7 +2,7 @@
 cancelled after its first Parquet part is in the bucket. SkyPilot recovers the job on a new worker of the
 pool, and the shard resumes at its last part: no image is captioned twice, and the step counts what the
 preemption cost.
-Nothing is faked. It runs in the lane of the preempted training (see the Makefile).
+Nothing is faked. It runs in the bed's onprem lane (tests/lanes.py).
 """
 
 import io

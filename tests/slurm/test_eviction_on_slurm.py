@@ -4,7 +4,7 @@ The bed's fleet lets a job evicted from ``inference`` move to ``spare`` (an L4 o
 kept for this). The job runs on inference; its Slurm allocation is cancelled, as an eviction would;
 SkyPilot marks it RECOVERING; the step launches it on spare with that pool's env, cancels the one
 recovering, verifies its release and follows the new job to its end. Nothing is faked. It runs in the
-lane of the preempted training (see the Makefile).
+bed's h200 lane (tests/lanes.py).
 """
 
 import time

@@ -2,7 +2,7 @@
 
 The bed's fleet launches smoke steps as clusters: ``sky.launch`` of a ``gpudoor-step-…`` cluster through
 the bed's API server (admin policy on), the job's log followed, ``sky.down`` once it ends. Nothing is
-faked. It runs in the lane of the preempted training (see the Makefile), which is the shortest.
+faked. It runs in the bed's h200 lane (tests/lanes.py).
 """
 
 import time
