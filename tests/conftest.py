@@ -141,7 +141,8 @@ def pytest_runtest_logreport(report):
     if not _EVENTS:
         return
     failed = report.failed or (report.when == "call" and report.outcome == "rerun")
-    if report.when != "call" and not failed:
+    # A setup that takes a while (a shared scenario run once for several tests) counts toward its test's time.
+    if report.when != "call" and not failed and not (report.when == "setup" and report.duration >= 1.0):
         return
     outcome = "rerun" if report.outcome == "rerun" else ("failed" if report.failed else report.outcome)
     why = ""

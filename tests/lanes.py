@@ -70,19 +70,15 @@ class Lane:
     cut_off: bool = False
 
 
-#: The bed's tests in two lanes, by the GPUs they hold, so that neither lane's jobs change where the other's land:
-#: ``bed-onprem`` holds the onprem pool (the caption nights' warm pools, the shard that must find onprem free and
-#: spill to inference); ``bed-h200`` the h200 pool (trainings, the killed run worker, the smoke step cluster) and
-#: the inference GPU a job is evicted from (it moves to spare, the second L4). Each test holds at most what its
-#: pool's cap leaves the other lane (testbed/fleet.yaml).
+#: The bed's tests in two lanes of about the same length, by the GPUs they hold, so that neither lane's jobs change
+#: where the other's land: ``bed-onprem`` holds the onprem pool (a caption night's warm pool, the shard that must
+#: find onprem full and spill to inference) and one H200 of the h200 pool for a smoke step; ``bed-h200`` holds
+#: the rest of the h200 pool (trainings, the killed run worker's jobs) and the inference GPU a job is evicted
+#: from (it moves to spare, the second L4). What both lanes hold at once stays within each pool's cap
+#: (testbed/fleet.yaml).
 BED_LANES = {
-    "bed-onprem": ["test_caption_preemption_on_slurm.py", "test_client_on_slurm.py"],
-    "bed-h200": [
-        "test_eviction_on_slurm.py",
-        "test_preemption_on_slurm.py",
-        "test_reconciler_on_slurm.py",
-        "test_step_cluster_on_slurm.py",
-    ],
+    "bed-onprem": ["test_client_on_slurm.py", "test_step_cluster_on_slurm.py", "test_warm_pool_night_on_slurm.py"],
+    "bed-h200": ["test_eviction_on_slurm.py", "test_preemption_on_slurm.py", "test_reconciler_on_slurm.py"],
 }
 
 
@@ -157,6 +153,20 @@ def _bring_up_bed(reports: Path) -> bool:
     return True
 
 
+def _own_cgroup(controller: str, mount: Path) -> Path:
+    """The folder under ``mount`` of the cgroup this process is in for ``controller`` ("" for cgroup v2)."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return mount
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        names = controllers.split(",") if controllers else [""]
+        if controller in names:
+            return mount / path.lstrip("/")
+    return mount
+
+
 class CpuGroup:
     """A CPU cgroup whose processes, everything they start included, share the CPU against the rest of the
     machine as one process of niceness ``nice`` would (cgroup v1's ``cpu.shares`` or v2's ``cpu.weight``).
@@ -168,7 +178,9 @@ class CpuGroup:
     @classmethod
     def make(cls, name: str, nice: int) -> CpuGroup | None:
         weight = max(2, round(1024 / 1.25**nice))  # the kernel's weight for that niceness, near enough
-        v1, v2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
+        # Inside the cgroup this process is in, so that a limit set on the machine's (a CI runner's CPU quota)
+        # holds for the lane too.
+        v1, v2 = _own_cgroup("cpu", Path("/sys/fs/cgroup/cpu")), _own_cgroup("", Path("/sys/fs/cgroup"))
         try:
             if (v1 / "cpu.shares").is_file():
                 group, setting = v1 / f"gpudoor-lane-{name}", ("cpu.shares", weight)
@@ -295,10 +307,14 @@ def read_outcome(lane_list: list[Lane], reports: Path) -> Outcome:
         events = reports / f"{lane.name}.events"
         lines = events.read_text(errors="replace").splitlines() if events.is_file() else []
         started, ended = [], set()
+        setups: dict[str, float] = {}
         for line in lines:
             outcome, when, seconds, test, why = (line.split("\t", 4) + ["", "", "0", "", ""])[:5]
             if outcome == "started":
                 started.append(test)
+                continue
+            if when == "setup" and outcome == "passed":  # a long setup: counted with its test's call
+                setups[test] = float(seconds or 0.0)
                 continue
             if when == "call" or outcome == "failed":
                 ended.add(test)
@@ -309,7 +325,7 @@ def read_outcome(lane_list: list[Lane], reports: Path) -> Outcome:
                 failed.append((lane.name, test, (f"in {when}: " if when != "call" else "") + (why or "failed")))
             elif when == "call":
                 tally["passed" if outcome == "passed" else "skipped"] += 1
-                times.append((float(seconds or 0.0), test))
+                times.append((float(seconds or 0.0) + setups.get(test, 0.0), test))
         running = next((t for t in reversed(started) if t not in ended), None)
         if lane.cut_off and running:
             failed.append((lane.name, running, f"cut off while it ran (the lane's bound is {LANE_TIMEOUT_S:.0f} s)"))

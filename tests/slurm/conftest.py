@@ -511,6 +511,11 @@ def pytest_runtest_makereport(item, call):
 @pytest.fixture
 def transit(s3_server):
     """A fresh bucket of the S3 server on 127.0.0.1, with its own credentials, as the transit bucket."""
+    return new_transit(s3_server)
+
+
+def new_transit(s3_server: str):
+    """A fresh bucket of the S3 server at ``s3_server``, with its own credentials, as the transit bucket."""
     import uuid
 
     import boto3

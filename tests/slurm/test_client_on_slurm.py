@@ -13,7 +13,6 @@ import pytest
 import yaml
 
 from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
-from tests.slurm.conftest import managed_record
 
 pytestmark = pytest.mark.slurm
 
@@ -56,63 +55,6 @@ def _probe_asset(name: str = "probe"):
 
 def _logs(instance, run_id) -> list[str]:
     return [e.user_message for e in instance.all_logs(run_id)]
-
-
-def test_caption_shards_run_as_one_batch_on_a_warm_pool_on_slurm(testbed, transit):
-    """The night's path on real SkyPilot: one Dagster run over two shards, one pool_apply (setup once per
-    worker), one jobs.launch(pool=, num_jobs=2), each job told its SKYPILOT_JOB_RANK; Pipes over S3."""
-    import sky
-
-    from gpudoor_pipelines.assets.captioning import caption_shards, dataset_shards
-    from gpudoor_pipelines.data.captions import done_shards
-    from gpudoor_pipelines.transit.io_manager import TransitIOManager
-
-    defs = dg.Definitions(
-        assets=[dataset_shards, caption_shards],
-        resources={
-            "transit": transit,
-            "skypilot": _resource(testbed, transit),
-            "io_manager": TransitIOManager(transit=transit),
-        },
-    )
-    job = defs.resolve_implicit_global_asset_job_def()
-    with dg.instance_for_test() as instance:
-        dataset = {"ops": {"dataset_shards": {"config": {"num_images": 6, "shard_size": 3, "image_size": 16}}}}
-        assert job.execute_in_process(
-            instance=instance, asset_selection=[dg.AssetKey("dataset_shards")], run_config=dataset
-        ).success
-        shards = list(instance.get_dynamic_partitions("shards"))
-        result = job.execute_in_process(
-            instance=instance,
-            asset_selection=[dg.AssetKey("caption_shards")],
-            raise_on_error=False,
-            tags={"dagster/asset_partition_range_start": shards[0], "dagster/asset_partition_range_end": shards[-1]},
-            run_config={"ops": {"caption_shards": {"config": {"shards_per_job": 1}}}},
-        )
-        logs = _logs(instance, result.run_id)
-        assert result.success, logs[-40:]
-        assert instance.get_materialized_partitions(dg.AssetKey("caption_shards")) == set(shards)
-        records = [
-            instance.fetch_materializations(
-                dg.AssetRecordsFilter(asset_key=dg.AssetKey("caption_shards"), asset_partitions=[s]), limit=1
-            ).records[0]
-            for s in shards
-        ]
-    mds = [{k: v.value for k, v in r.event_log_entry.asset_materialization.metadata.items()} for r in records]
-    assert [md["images_captioned"] for md in mds] == [3, 3]  # reported by the jobs themselves, through Pipes over S3
-    assert {md["pool"] for md in mds} == {"onprem"} and all("gpudoor-bed" in md["infra"] for md in mds)
-    assert sorted(md["job_rank"] for md in mds) == [0, 1]
-    assert done_shards(transit.get_bucket(), "color-shape-v1") == set(shards)
-    for md in mds:
-        managed = managed_record(int(md["job_id"]))  # a pool's jobs carry no labels in the queue: the pool's task does
-        assert (
-            managed.status.value == "SUCCEEDED"
-            and managed.pool == md["worker_pool"] == f"gpudoor-caption-{result.run_id[:8]}"
-        )
-    assert any(f"shard {shards[0]}: done, 3 captioned" in line for line in logs), logs[-40:]
-    # The pool was given back when the run ended (pool_down returns while the workers shut down).
-    left = [p for p in sky.get(sky.jobs.pool_status(None)) if p["name"] == f"gpudoor-caption-{result.run_id[:8]}"]
-    assert all(str(p["status"].value) == "SHUTTING_DOWN" for p in left), left
 
 
 def test_failing_job_surfaces_failed_with_its_log_tail(testbed, transit, tmp_path):

@@ -2,7 +2,7 @@
 
 The bed's fleet launches smoke steps as clusters: ``sky.launch`` of a ``gpudoor-step-…`` cluster through
 the bed's API server (admin policy on), the job's log followed, ``sky.down`` once it ends. Nothing is
-faked. It runs in the bed's h200 lane (tests/lanes.py).
+faked. It runs in the bed's onprem lane (tests/lanes.py), beside the h200 lane's jobs within the pool's cap.
 """
 
 import time
