@@ -39,7 +39,8 @@ CHROMIUM_ARGS = [
     # Nothing but this machine: every other host name fails to resolve.
     "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
 ]
-EXPECT_TIMEOUT_MS = 30_000
+# How long the page may take to show a thing: a loaded CI runner renders the UI slowly.
+EXPECT_TIMEOUT_MS = 60_000
 RUN_TIMEOUT_S = 300
 # No telemetry, no welcome modal (it covers the page and calls out); queued runs start within a second.
 DAGSTER_YAML = """\
