@@ -71,6 +71,16 @@ if id "$LOGIN_USER" >/dev/null 2>&1; then
   fi
 fi
 
+# What the bed left in /tmp while it ran: the server's temporary files (its TMPDIR), its HA recovery logs
+# (SkyPilot writes them to /tmp whatever TMPDIR says), and the scripts SkyPilot's runtime wrote as the login
+# user for each job's setup and run (a job killed or preempted never removes its own).
+log "removing the bed's temporary files"
+rm -rf "${BED_RUN:?}/tmp" /tmp/jobs_ha_recovery.log /tmp/pool_ha_recovery.log
+if id "$LOGIN_USER" >/dev/null 2>&1; then
+  find /tmp -maxdepth 1 -mindepth 1 -user "$LOGIN_USER" \( -name 'sky_app_*' -o -name 'sky_setup_*' -o -name 'sky_task_*' \) \
+    -exec rm -rf {} + 2>/dev/null || true
+fi
+
 if [[ -f "$BED_RUN/munged.started-by-testbed" ]]; then
   log "stopping munge"
   stop_pidfile /run/munge/munged.pid

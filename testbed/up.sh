@@ -50,7 +50,7 @@ on_exit() {
 trap on_exit EXIT
 step() { FAILED_STEP="$*"; log "$*"; }
 
-mkdir -p "$BED_ROOT" "$BED_RUN" "$BED_LOG" "$BED_NODE/bin" "$BED_DEV" "$BED_SLURM" "$BED_SSHD" "$STATE_DIR"
+mkdir -p "$BED_ROOT" "$BED_RUN" "$BED_RUN/tmp" "$BED_LOG" "$BED_NODE/bin" "$BED_DEV" "$BED_SLURM" "$BED_SSHD" "$STATE_DIR"
 chmod 755 "$BED_ROOT" "$BED_NODE" "$BED_NODE/bin"
 
 # write_if_changed DEST MODE: stdin -> DEST when the content differs; returns 0 if it wrote.
@@ -421,6 +421,9 @@ SERVER_ENV=(
   # (~160 MB each, 8 launches each) from the machine's memory: 23 GB gives 12 controllers.
   # 8 GB gives 2, plenty for a test bed and lighter on a 2-core machine.
   SKYPILOT_POD_MEMORY_GB_LIMIT="${GPUDOOR_TESTBED_SERVER_MEMORY_GB:-8}"
+  # The server's and its controllers' temporary files (task configs, SSH logs) in a folder of the bed's,
+  # removed by down.sh: /tmp stays as the bed found it.
+  TMPDIR="$BED_RUN/tmp"
   NO_PROXY=127.0.0.1,localhost
   no_proxy=127.0.0.1,localhost
 )
