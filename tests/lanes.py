@@ -10,7 +10,7 @@ niceness, and the rest's own subprocesses start sessions of their own. So that l
 own with the weight of its niceness (``CpuGroup``; root only), and under ``nice`` where that cannot be made.
 
 Each lane writes ``<reports>/<lane>.log`` (its whole output) and ``<reports>/<lane>.xml`` (JUnit); at the end
-this prints, for every lane that failed, its failures, then one summary: each lane's seconds and outcome,
+this prints, for every lane that failed, its failures, then one summary: each lane's seconds, CPU-seconds and outcome,
 every failed test with the file that holds its log, the reruns, and the ten slowest tests. The summary is also
 written to ``<reports>/summary.txt``.
 
@@ -66,6 +66,9 @@ class Lane:
     proc: subprocess.Popen | None = None
     started: float = 0.0
     seconds: float = 0.0
+    #: CPU seconds of the lane's pytest and every process of it that was waited for (a bed lane's SkyPilot
+    #: server and jobs are not its own); None when the lane was cut off.
+    cpu_s: float | None = None
     code: int | None = None
     cut_off: bool = False
 
@@ -265,12 +268,22 @@ def _cut_off(proc: subprocess.Popen) -> int:
     return proc.wait()
 
 
+def _reap(lane: Lane) -> int | None:
+    """The lane's exit code once it ended (None before), and its CPU time from the kernel's account."""
+    pid, status, usage = os.wait4(lane.proc.pid, os.WNOHANG)
+    if pid == 0:
+        return None
+    lane.proc.returncode = os.waitstatus_to_exitcode(status)
+    lane.cpu_s = usage.ru_utime + usage.ru_stime
+    return lane.proc.returncode
+
+
 def _wait(lane_list: list[Lane]) -> None:
     while any(lane.code is None for lane in lane_list):
         for lane in lane_list:
             if lane.code is not None or lane.proc is None:
                 continue
-            code = lane.proc.poll()
+            code = _reap(lane)
             elapsed = time.monotonic() - lane.started
             if code is None and elapsed > LANE_TIMEOUT_S:
                 lane.cut_off = True
@@ -353,10 +366,10 @@ def summary(lane_list: list[Lane], reports: Path, outcome: Outcome) -> str:
     for lane in lane_list:
         c = outcome.counts.get(lane.name, {})
         state = "passed" if lane.code == 0 else "CUT OFF" if lane.cut_off else "FAILED"
+        cpu = f"{lane.cpu_s:5.0f} CPU-s" if lane.cpu_s is not None else "    ? CPU-s"
         lines.append(
-            f"  {lane.name:<8} {lane.seconds:6.0f} s  {state:<8} {c.get('passed', 0)} passed, {c.get('failed', 0)} "
-            "failed, "
-            f"{c.get('skipped', 0)} skipped   (log: {reports / (lane.name + '.log')})"
+            f"  {lane.name:<10} {lane.seconds:6.0f} s {cpu}  {state:<8} {c.get('passed', 0)} passed, "
+            f"{c.get('failed', 0)} failed, {c.get('skipped', 0)} skipped   (log: {reports / (lane.name + '.log')})"
         )
     lines.append("== ten slowest tests")
     lines += [f"  {seconds:7.1f} s  {test}" for seconds, test in outcome.slowest]
