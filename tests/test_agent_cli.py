@@ -8,8 +8,10 @@ exercises for the assets.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -94,6 +96,31 @@ def test_an_api_server_that_does_not_answer_exits_4(tmp_path, capsys, monkeypatc
     code, answer = _run(capsys, "launch", _task(tmp_path, "probe", "echo hi"), "--json")
     assert code == 4 and answer["error"] == "cannot reach the API server"
     assert answer["field"] == "api_server_endpoint" and "SKYPILOT_API_SERVER_ENDPOINT" in answer["fix"]
+
+
+#: What an agent may pass where a job id goes: none is an id the backend issued.
+NOT_JOB_IDS = ["", ".", "..", "/etc", "../jobs", "a/b", "20260101-000000-abcdef/..", "notes.txt", "1/../2", "²"]
+
+
+@pytest.mark.parametrize("command", [["status"], ["logs"], ["logs", "--follow"], ["cancel"]])
+def test_anything_but_an_issued_job_id_is_no_such_job_and_touches_nothing(tmp_path, capsys, command):
+    jobs = Path(os.environ["GPUDOOR_HOME"]) / "jobs"
+    jobs.mkdir(parents=True, exist_ok=True)
+    (jobs / "notes.txt").write_text("a stray file")
+    # A job of another home, reachable by a relative path from this home's jobs.
+    other = tmp_path / "other-home" / "jobs" / "20260101-000000-abcdef"
+    other.mkdir(parents=True)
+    (other / "run.log").write_text("a line of another home's job\n")
+    (other / "state.json").write_text(json.dumps({"state": "RUNNING"}))
+    before = {p: p.read_bytes() for p in [*jobs.parent.rglob("*"), *other.iterdir()] if p.is_file()}
+    for job in [*NOT_JOB_IDS, os.path.relpath(other, jobs), str(other)]:
+        code, answer = _run(capsys, command[0], job, *command[1:], "--json")
+        assert (code, answer["error"], answer["field"]) == (5, "no such job", "job_id"), (job, answer)
+        assert "another home" not in json.dumps(answer)
+    after = {p: p.read_bytes() for p in [*jobs.parent.rglob("*"), *other.iterdir()] if p.is_file()}
+    assert after == before  # no state written, here or in the other home
+    code, listed = _run(capsys, "status", "--json")  # the stray file is not a job
+    assert (code, listed) == (0, {"jobs": []})
 
 
 @pytest.mark.parametrize("argv", [["status", "nope"], ["cancel", "nope"], ["logs", "nope"]])

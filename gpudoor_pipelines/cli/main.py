@@ -230,7 +230,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from gpudoor_pipelines.cli import agent
 
     def run() -> int:
-        if args.job:
+        if args.job is not None:  # an empty id (a variable an agent left unset) is no job, not the list
             info = agent.status(args.job)
             human = f"{info['job_id']}  {info['state']}  {info['name']}  {info['infra']}" + (
                 f"  ({info['meaning']})" if info["failed"] else ""

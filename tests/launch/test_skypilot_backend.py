@@ -62,3 +62,12 @@ def test_unreachable_server_fails_fast_before_anything_is_submitted():
         backend.check()
     assert time.monotonic() - start < 30
     assert err.value.field == "api_server_endpoint" and "no SkyPilot API server answers" in str(err.value)
+
+
+@pytest.mark.parametrize("job_id", ["", "..", "/etc", "../3", "1/../2", "a/b", "3.0", "²", "gpudoor-step-x/1/.."])
+def test_anything_but_an_issued_job_id_is_no_job_before_any_request(job_id):
+    # The server does not answer: a request for the id would fail as unreachable, not as "no job".
+    backend = SkyPilotBackend(f"http://127.0.0.1:{_closed_port()}")
+    for ask in (backend.status, backend.log_tail, backend.follow_logs, backend.cancel):
+        with pytest.raises(KeyError, match="no job"):
+            ask(job_id)

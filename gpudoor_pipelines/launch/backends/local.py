@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets as pysecrets
 import signal
 import socket
 import subprocess
@@ -32,7 +31,11 @@ from gpudoor_pipelines.launch.backends.local_state import (
     default_home,
     free_port,
     group_alive,
+    is_job_id,
+    job_dirs,
     kill_group,
+    new_job_id,
+    pool_dirs,
     read_json,
     read_state,
     write_json,
@@ -89,7 +92,10 @@ class LocalBackend(LocalWarmPools, Backend):
         return ("local", str(self.jobs_root))
 
     def job_dir(self, job_id: str) -> Path:
-        """The folder of one job."""
+        """The folder of one job; KeyError for anything but an id this backend issues (a path, ``..``, a
+        stray file's name): no other path is ever built from what a caller passes."""
+        if not is_job_id(job_id):
+            raise KeyError(f"no local job {job_id!r}: a local job's id looks like 20260101-120000-a1b2c3")
         return self.jobs_root / job_id
 
     def map_pool_env(self, pool: str, pool_env: dict[str, str]) -> dict[str, str]:
@@ -106,7 +112,7 @@ class LocalBackend(LocalWarmPools, Backend):
 
     def _prepare(self, job: ResolvedJob, service: bool, **extra: object) -> tuple[str, Path]:
         """Creates the job's folder: its task (secrets stripped) and its PENDING state."""
-        job_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{pysecrets.token_hex(3)}"
+        job_id = new_job_id()
         job_dir = self.job_dir(job_id)
         job_dir.mkdir(parents=True)
         config = {k: v for k, v in job.config.items() if k != "secrets"}
@@ -236,7 +242,7 @@ class LocalBackend(LocalWarmPools, Backend):
         return Usage.tally(self._held())
 
     def _held(self) -> Iterator[tuple[str, str, int, int]]:
-        for job_dir in self.jobs_root.iterdir() if self.jobs_root.is_dir() else ():
+        for job_dir in job_dirs(self.jobs_root):
             state = read_state(job_dir)
             if not state or JobState(state.get("state", "PENDING")).is_terminal:
                 continue
@@ -250,8 +256,7 @@ class LocalBackend(LocalWarmPools, Backend):
             gpus = sum(parse_accelerators(resources.get("accelerators")).values()) * nodes
             user = (resources.get("labels") or {}).get(LABEL_USER, "unknown")
             yield task["pool"], user, gpus, parse_cpus(resources.get("cpus")) * nodes
-        pools_root = self.home / "worker_pools"
-        for pool_dir in pools_root.iterdir() if pools_root.is_dir() else ():
+        for pool_dir in pool_dirs(self.home):
             if self._supervisor(pool_dir) is None:
                 continue
             spec = read_json(pool_dir / POOL_FILE)
@@ -268,7 +273,7 @@ class LocalBackend(LocalWarmPools, Backend):
         steps, demos and ad-hoc launches alike. Local jobs are never preempted: they ran all the time they held.
         With ``submitted_after``: the jobs submitted after it, started or not."""
         out = []
-        for job_dir in sorted(self.jobs_root.iterdir()) if self.jobs_root.is_dir() else ():
+        for job_dir in job_dirs(self.jobs_root):
             state, task = read_state(job_dir), read_json(job_dir / TASK_FILE)
             started, ended = state.get("started_at"), state.get("ended_at")
             if submitted_after is not None:
@@ -302,7 +307,7 @@ class LocalBackend(LocalWarmPools, Backend):
         """Unfinished jobs (a pool's ranks are its pool's), warm pools with a live supervisor, and services."""
         out = []
         services = set(self.clusters().values())
-        for job_dir in sorted(self.jobs_root.iterdir()) if self.jobs_root.is_dir() else ():
+        for job_dir in job_dirs(self.jobs_root):
             task = read_json(job_dir / TASK_FILE)
             if not task or task.get("worker_pool") or job_dir.name in services:
                 continue
@@ -320,8 +325,7 @@ class LocalBackend(LocalWarmPools, Backend):
                     name=info.name,
                 )
             )
-        pools_root = self.home / "worker_pools"
-        for pool_dir in sorted(pools_root.iterdir()) if pools_root.is_dir() else ():
+        for pool_dir in pool_dirs(self.home):
             if self._supervisor(pool_dir) is None:
                 continue
             spec = read_json(pool_dir / POOL_FILE)

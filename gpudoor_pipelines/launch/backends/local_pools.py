@@ -14,6 +14,7 @@ from gpudoor_pipelines.launch.backends.local_state import (
     SUPERVISOR_FILE,
     TASK_FILE,
     alive,
+    job_dirs,
     queue_lock,
     read_json,
     read_state,
@@ -121,7 +122,7 @@ class LocalWarmPools:
     def _pool_jobs(self, pool_name: str) -> list[str]:
         """The pool's ranks that have not ended."""
         out = []
-        for job_dir in self.jobs_root.iterdir() if self.jobs_root.is_dir() else ():
+        for job_dir in job_dirs(self.jobs_root):
             if read_json(job_dir / TASK_FILE).get("worker_pool") != pool_name:
                 continue
             if not JobState(read_state(job_dir).get("state", "PENDING")).is_terminal:

@@ -8,8 +8,11 @@ import contextlib
 import fcntl
 import json
 import os
+import re
+import secrets
 import signal
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +26,31 @@ SUPERVISOR_FILE = "supervisor.json"
 QUEUE_DIR = "queue"
 RELEASED_FILE = "released"
 _QUEUE_LOCK = "queue.lock"
+#: A local job's id, as the backend issues it: when it was submitted and six random hex digits.
+_JOB_ID = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9a-f]{6}")
+
+
+def new_job_id() -> str:
+    """A fresh job id (it names the job's folder under the jobs root)."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
+def is_job_id(job_id: object) -> bool:
+    """Whether ``job_id`` is an id this backend could have issued: only those ever become a path."""
+    return isinstance(job_id, str) and _JOB_ID.fullmatch(job_id) is not None
+
+
+def pool_dirs(home: Path) -> list[Path]:
+    """Every warm pool's folder under ``home`` (a stray file there is not a pool)."""
+    root = home / "worker_pools"
+    return sorted(d for d in root.iterdir() if d.is_dir()) if root.is_dir() else []
+
+
+def job_dirs(jobs_root: Path) -> list[Path]:
+    """Every job's folder under ``jobs_root``, oldest first (anything else there is not a job)."""
+    if not jobs_root.is_dir():
+        return []
+    return sorted(d for d in jobs_root.iterdir() if is_job_id(d.name) and d.is_dir())
 
 
 def default_home() -> Path:

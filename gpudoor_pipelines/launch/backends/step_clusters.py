@@ -20,6 +20,7 @@ A job id is ``<cluster>/<job id on the cluster>``; a managed job's id is a numbe
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 import time
 import uuid
@@ -47,6 +48,10 @@ _LOOK_AGAIN_FIRST_S, _LOOK_AGAIN_MOST_S = 1.0, 30.0
 MAX_LOOK_ERRORS = 10
 _STEPS: dict[str, _Step] = {}
 _LOCK = threading.Lock()
+
+
+#: A step cluster's job id: the cluster's name (as SkyPilot allows one), a slash, the job's id on it.
+_JOB_ID = re.compile(r"[A-Za-z][-_.A-Za-z0-9]*/[0-9]+")
 
 
 def cluster_of(job_id: str) -> str:
@@ -339,7 +344,7 @@ class StepClusters(JobStrategy):
 
     @staticmethod
     def owns(job_id: str) -> bool:
-        return "/" in str(job_id)
+        return _JOB_ID.fullmatch(str(job_id)) is not None
 
     def submit(self, job: ResolvedJob) -> str:
         return launch(job)

@@ -15,6 +15,7 @@ form of its id afterwards (:func:`owner_of`): the one place that looks at an id'
 from __future__ import annotations
 
 import abc
+import re
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
@@ -109,7 +110,7 @@ class ManagedJobs(JobStrategy):
 
     @staticmethod
     def owns(job_id: str) -> bool:
-        return str(job_id).isdigit()
+        return re.fullmatch(r"[0-9]+", str(job_id)) is not None
 
     def submit(self, job: ResolvedJob) -> str:
         sky = sky_sdk.sky()
