@@ -1,13 +1,11 @@
-"""``make test``: the test lanes side by side, each with a bound, and a report that names what failed.
+"""``make test``: the test lanes, two at a time, each with a bound, and a report that names what failed.
 
-The test bed's tests (``tests/slurm``) mostly wait on SkyPilot's controllers and Slurm, so they run in two lanes
-of their own beside the rest, split by the GPUs they hold (``BED_LANES``): neither lane's jobs change where the
-other's land. Every look SkyPilot takes at a job is a Python process on the 2-core machine, so the waiting is
-not free: the rest runs with a small CPU share, so that the bed's processes, whose timing the bed tests assert
-on, go first and the rest fills the bed's waits. ``nice`` alone does not do that: with the kernel's autogroups
-every session (the lane's, the bed's API server's, each SSH login of SkyPilot's) gets an equal share whatever its
-niceness, and the rest's own subprocesses start sessions of their own. So that lane runs in a CPU cgroup of its
-own with the weight of its niceness (``CpuGroup``; root only), and under ``nice`` where that cannot be made.
+First the tests that need no test bed, in two lanes (one per core); then the bed's tests (``tests/slurm``) in
+two lanes of their own, split by the GPUs they hold (``BED_LANES``) so that neither lane's jobs change where
+the other's land. The two kinds do not run side by side: the bed's waiting is not free (every look SkyPilot
+takes at a job is a Python process), so beside the bed the rest was starved for minutes on a slow runner and
+missed its bounds, or took the CPU the bed's timing needed. Each kind alone behaves as it does on a quiet
+machine, whatever the runner's speed.
 
 Each lane writes ``<reports>/<lane>.log`` (its whole output) and ``<reports>/<lane>.xml`` (JUnit); at the end
 this prints, for every lane that failed, its failures, then one summary: each lane's seconds, CPU-seconds and outcome,
@@ -26,7 +24,6 @@ Usage: ``python tests/lanes.py [--reports DIR] [--only LANE ...]``
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -60,9 +57,6 @@ class Lane:
     name: str
     args: list[str]
     bed: bool = False
-    #: Added to the lane's niceness (its CPU priority below the bed's), and its CPU cgroup's weight.
-    nice: int = 0
-    cpu_group: CpuGroup | None = None
     proc: subprocess.Popen | None = None
     started: float = 0.0
     seconds: float = 0.0
@@ -85,15 +79,14 @@ BED_LANES = {
 }
 
 
-#: The rest in two lanes, so that both cores work once the bed's lanes are done: the programs the jobs run and
-#: the transit bucket (``unit-io``) beside everything else (``unit``), whose browser tests come last, when the
-#: bed's lanes are most likely done (they wait on a browser within bounds, and a starved browser misses them).
+#: The rest in two lanes of about the same length, one per core: the programs the jobs run and the transit
+#: bucket (``unit-io``) beside everything else (``unit``), whose browser tests come last.
 IO_TESTS = ["tests/workloads", "tests/transit", "tests/test_caption_night.py"]
 LAST_TESTS = ["tests/e2e"]
 
 
 def lanes() -> list[Lane]:
-    """The lanes: the rest in two lanes at a lower CPU priority, and the bed's tests in two lanes."""
+    """The lanes, in the order they run: the rest in two lanes, then the bed's tests in two lanes."""
     placed = {name for files in BED_LANES.values() for name in files}
     unplaced = sorted(p.name for p in (REPO_ROOT / SLURM).glob("test_*.py") if p.name not in placed)
     if unplaced:  # a new bed test file must say which lane's GPUs it holds
@@ -105,8 +98,8 @@ def lanes() -> list[Lane]:
         if str(p.relative_to(REPO_ROOT)) not in (*IO_TESTS, *LAST_TESTS, SLURM)
     )
     return [
-        Lane("unit", [*first, *LAST_TESTS], nice=7),
-        Lane("unit-io", IO_TESTS, nice=7),
+        Lane("unit", [*first, *LAST_TESTS]),
+        Lane("unit-io", IO_TESTS),
         *(Lane(name, [f"{SLURM}/{f}" for f in files], bed=True) for name, files in BED_LANES.items()),
     ]
 
@@ -156,66 +149,8 @@ def _bring_up_bed(reports: Path) -> bool:
     return True
 
 
-def _own_cgroup(controller: str, mount: Path) -> Path:
-    """The folder under ``mount`` of the cgroup this process is in for ``controller`` ("" for cgroup v2)."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return mount
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        names = controllers.split(",") if controllers else [""]
-        if controller in names:
-            return mount / path.lstrip("/")
-    return mount
-
-
-class CpuGroup:
-    """A CPU cgroup whose processes, everything they start included, share the CPU against the rest of the
-    machine as one process of niceness ``nice`` would (cgroup v1's ``cpu.shares`` or v2's ``cpu.weight``).
-    ``make()`` returns None where no cgroup can be made (not root, no CPU controller)."""
-
-    def __init__(self, path: Path, parent_procs: Path) -> None:
-        self.path, self.parent_procs = path, parent_procs
-
-    @classmethod
-    def make(cls, name: str, nice: int) -> CpuGroup | None:
-        weight = max(2, round(1024 / 1.25**nice))  # the kernel's weight for that niceness, near enough
-        # Inside the cgroup this process is in, so that a limit set on the machine's (a CI runner's CPU quota)
-        # holds for the lane too.
-        v1, v2 = _own_cgroup("cpu", Path("/sys/fs/cgroup/cpu")), _own_cgroup("", Path("/sys/fs/cgroup"))
-        try:
-            if (v1 / "cpu.shares").is_file():
-                group, setting = v1 / f"gpudoor-lane-{name}", ("cpu.shares", weight)
-            elif "cpu" in (v2 / "cgroup.controllers").read_text().split():
-                (v2 / "cgroup.subtree_control").write_text("+cpu")
-                group, setting = v2 / f"gpudoor-lane-{name}", ("cpu.weight", max(1, weight * 100 // 1024))
-            else:
-                return None
-            group.mkdir(exist_ok=True)
-            (group / setting[0]).write_text(str(setting[1]))
-        except OSError:
-            return None
-        return cls(group, group.parent / "cgroup.procs")
-
-    def enter(self) -> None:
-        """Moves the calling process in (run in the lane's process before it starts pytest)."""
-        (self.path / "cgroup.procs").write_text(str(os.getpid()))
-
-    def remove(self) -> None:
-        """Moves whatever is left back out and removes the group."""
-        try:
-            for pid in (self.path / "cgroup.procs").read_text().split():
-                with contextlib.suppress(OSError):
-                    self.parent_procs.write_text(pid)
-            self.path.rmdir()
-        except OSError:
-            pass
-
-
 def _start(lane: Lane, reports: Path) -> None:
     args = [
-        *(["nice", "-n", str(lane.nice)] if lane.nice else []),
         sys.executable,
         "-m",
         "pytest",
@@ -231,16 +166,12 @@ def _start(lane: Lane, reports: Path) -> None:
     env = {**os.environ, "GPUDOOR_LANE_EVENTS": str(reports / f"{lane.name}.events")}
     out = open(reports / f"{lane.name}.log", "w")  # noqa: SIM115 - closed when the lane ends
     lane.started = time.monotonic()
-    lane.cpu_group = CpuGroup.make(lane.name, lane.nice) if lane.nice else None
-    group = lane.cpu_group
 
     def prepare() -> None:
         # A lane started from a background shell would inherit SIGINT ignored, and the Ctrl-C that cuts it
         # off (``_cut_off``) would do nothing.
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        if group is not None:
-            group.enter()
 
     lane.proc = subprocess.Popen(
         args,
@@ -402,24 +333,18 @@ def main(argv: list[str] | None = None) -> int:
     lane_list = [lane for lane in lanes() if not args.only or lane.name in args.only]
     brought_up = any(lane.bed for lane in lane_list) and _bring_up_bed(reports)
     try:
-        for lane in lane_list:
-            _start(lane, reports)
-            share = (
-                f", CPU share of nice {lane.nice} in {lane.cpu_group.path}"
-                if lane.cpu_group
-                else f", nice {lane.nice} (no CPU cgroup could be made)"
-                if lane.nice
-                else ""
-            )
-            log = reports / (lane.name + ".log")
-            print(f"lane {lane.name}: {' '.join(lane.args)}  (log: {log}{share})", flush=True)
-        _wait(lane_list)
+        for stage in (
+            [lane for lane in lane_list if not lane.bed],
+            [lane for lane in lane_list if lane.bed],
+        ):
+            for lane in stage:
+                _start(lane, reports)
+                print(f"lane {lane.name}: {' '.join(lane.args)}  (log: {reports / (lane.name + '.log')})", flush=True)
+            _wait(stage)
     finally:
         for lane in lane_list:
             if lane.proc is not None and lane.proc.poll() is None:
                 os.killpg(lane.proc.pid, signal.SIGKILL)
-            if lane.cpu_group:
-                lane.cpu_group.remove()
         if brought_up:
             print("taking the test bed down again (this run brought it up)", flush=True)
             with open(reports / "bed-down.log", "w") as out:

@@ -21,9 +21,8 @@ from gpudoor_pipelines.transit import uris as storage
 from gpudoor_pipelines.transit.bucket import MANIFEST_NAME
 
 ROOT = Path(__file__).resolve().parents[2]
-# Upper bound for any one wait: generous, because a loaded CI runner can be many times slower (these tests
-# run at a small CPU share beside the test bed: seven trainings started at once have taken over 180 s there
-# to write a first checkpoint).
+# Upper bound for any one wait: generous, because a loaded CI runner can be many times slower (seven
+# trainings started at once beside the test bed once took over 180 s to write a first checkpoint).
 PATIENCE_S = 600
 # The training scenario of conftest.train_runs.
 MAX_STEPS = 60
