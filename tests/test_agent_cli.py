@@ -68,6 +68,48 @@ def test_a_followed_job_that_fails_exits_3_with_its_last_lines(tmp_path, capsys)
     assert "about-to-fail" in out and "FAILED" in out
 
 
+def test_with_json_stdout_is_only_json_lines_and_a_job_says_how_long_it_ran(tmp_path, capsys, monkeypatch):
+    import logging
+
+    from gpudoor_pipelines.launch.backends.local import LocalBackend
+
+    # What SkyPilot's SDK does while it submits (it cannot run here): progress on stdout, INFO on its logger,
+    # whose handler was made before the command ran.
+    library = logging.getLogger("gpudoor-tests.sdk")
+    handler = logging.StreamHandler()
+    library.addHandler(handler)
+    library.setLevel(logging.INFO)
+    submit = LocalBackend.submit
+
+    def chatty_submit(self, job):
+        print("Uploading files to API server")
+        library.info("Files uploaded")
+        return submit(self, job)
+
+    monkeypatch.setattr(LocalBackend, "submit", chatty_submit)
+    spec = _task(tmp_path, "probe", "echo one; sleep 1; echo two")
+    try:
+        code = main(["launch", spec, "--json", "--follow"])
+        captured = capsys.readouterr()
+        answers = [json.loads(line) for line in captured.out.splitlines()]  # one complete object per line
+        assert code == 0 and "Uploading files" in captured.err and "Files uploaded" not in captured.err
+        launched, *lines, final = answers
+        job = launched["job_id"]
+        assert [a["line"] for a in lines if a["line"] in ("one", "two")] == ["one", "two"]
+        assert final["job_id"] == job and final["state"] == "SUCCEEDED"
+        assert 1.0 <= final["ran_s"] < 60 and final["queued_s"] is not None and final["queued_s"] >= 0
+        code, state = _run(capsys, "status", job, "--json")
+        assert code == 0 and state["ran_s"] == final["ran_s"] and state["queued_s"] == final["queued_s"]
+        code, cancelled = _run(capsys, "cancel", job, "--json")  # an ended job: nothing to cancel, its times stay
+        assert code == 0 and cancelled["ran_s"] == final["ran_s"]
+        # --verbose: the libraries' logging is back, on stderr; stdout is still the one answer.
+        code = main(["launch", spec, "--json", "--verbose"])
+        captured = capsys.readouterr()
+        assert code == 0 and "Files uploaded" in captured.err and json.loads(captured.out)["job_id"] != job
+    finally:
+        library.removeHandler(handler)
+
+
 def test_a_refused_file_is_json_with_every_problem_and_exit_2(tmp_path, capsys):
     spec = _task(tmp_path, "bad", "echo hi", accelerators="A100:1")
     path = tmp_path / "bad.yaml"

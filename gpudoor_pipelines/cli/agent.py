@@ -69,6 +69,13 @@ def _launcher(**settings: Any):
 
 def _job_info(info: JobInfo) -> dict[str, Any]:
     out = {k: (v.value if hasattr(v, "value") else v) for k, v in dataclasses.asdict(info).items()}
+    now = time.time()
+    if out["ran_s"] is None and info.started_at is not None:  # a backend that does not count it: its times say
+        out["ran_s"] = round((info.ended_at or now) - info.started_at, 3)
+    started = info.started_at if info.started_at is not None else (None if info.state.is_terminal else now)
+    out["queued_s"] = (
+        round(started - info.submitted_at, 3) if info.submitted_at is not None and started is not None else None
+    )
     out["terminal"] = info.state.is_terminal
     out["failed"] = info.state.is_failure
     out["meaning"] = FAILURE_MEANING.get(info.state, "")

@@ -161,31 +161,43 @@ def _cmd_rules(args: argparse.Namespace) -> int:
 def _answer(args: argparse.Namespace, payload: dict, human: str, code: int = 0) -> int:
     import json
 
-    print(json.dumps(payload, indent=2, default=str) if args.json else human)
+    print(json.dumps(payload, default=str) if args.json else human, file=args.answers, flush=True)
     return code
 
 
 def _door(args: argparse.Namespace, fn) -> int:
-    """Runs an agent command; a refusal, an unreachable server or an unknown job is an answer, not a traceback."""
+    """Runs an agent command; a refusal, an unreachable server or an unknown job is an answer, not a traceback.
+
+    With ``--json`` stdout holds only the answers, one JSON object a line: what the SDK and libraries print
+    goes to stderr, and their logging is off unless ``--verbose``."""
+    import contextlib
     import json
+    import logging
 
     from gpudoor_pipelines.cli.agent import DoorError
 
-    try:
-        return fn()
-    except DoorError as e:
+    args.answers = sys.stdout
+    with contextlib.ExitStack() as stack:
         if args.json:
-            print(json.dumps(e.payload, indent=2))
-        else:
-            p = e.payload
-            where = f"{p['file']}: field '{p['field']}': " if p.get("file") else ""
-            print(
-                f"error: {p['error']}: {where}{p['problem']}" + (f". Fix: {p['fix']}" if p.get("fix") else ""),
-                file=sys.stderr,
-            )
-            for extra in (p.get("problems") or [])[1:]:
-                print(f"  also: field '{extra['field']}': {extra['problem']}. Fix: {extra['fix']}", file=sys.stderr)
-        return e.code
+            stack.enter_context(contextlib.redirect_stdout(sys.stderr))
+            if not args.verbose:
+                logging.disable(logging.INFO)
+                stack.callback(logging.disable, logging.NOTSET)
+        try:
+            return fn()
+        except DoorError as e:
+            error = e
+    p = error.payload
+    if args.json:
+        print(json.dumps(p, default=str), file=args.answers, flush=True)
+        return error.code
+    where = f"{p['file']}: field '{p['field']}': " if p.get("file") else ""
+    print(
+        f"error: {p['error']}: {where}{p['problem']}" + (f". Fix: {p['fix']}" if p.get("fix") else ""), file=sys.stderr
+    )
+    for extra in (p.get("problems") or [])[1:]:
+        print(f"  also: field '{extra['field']}': {extra['problem']}. Fix: {extra['fix']}", file=sys.stderr)
+    return error.code
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
@@ -216,13 +228,11 @@ def _follow(args: argparse.Namespace, job_id: str) -> int:
     from gpudoor_pipelines.cli import agent
 
     def show(line: str) -> None:
-        print(json.dumps({"job_id": job_id, "line": line}) if args.json else line, flush=True)
+        print(json.dumps({"job_id": job_id, "line": line}) if args.json else line, file=args.answers, flush=True)
 
     info = agent.follow(job_id, show)
-    if args.json:
-        print(json.dumps(info, default=str))
-    else:
-        print(f"job {job_id} ended {info['state']}" + (f": {info['meaning']}" if info["failed"] else ""))
+    human = f"job {job_id} ended {info['state']}" + (f": {info['meaning']}" if info["failed"] else "")
+    _answer(args, info, human)
     return agent.final_code(info)
 
 
@@ -279,6 +289,11 @@ def _cmd_demo_stop(args: argparse.Namespace) -> int:
     return 0
 
 
+def _agent_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="only JSON on stdout, one object a line (for agents)")
+    p.add_argument("--verbose", action="store_true", help="with --json: the libraries' logging on stderr")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``gpudoor`` command."""
     import warnings
@@ -324,23 +339,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cost-owner", help="cost owner label (default: the file's, else the fleet's)")
     p.add_argument("--env", action="append", metavar="NAME=VALUE", help="value for an env the task declares")
     p.add_argument("--follow", action="store_true", help="stream the log until the job ends; exit 3 if it fails")
-    p.add_argument("--json", action="store_true", help="JSON answers and errors (for agents)")
+    _agent_flags(p)
     p.set_defaults(func=_cmd_launch)
     p = sub.add_parser("status", help="a job's state, or your jobs of the last days")
     p.add_argument("job", nargs="?", help="a job id (default: list your recent jobs)")
     p.add_argument("--days", type=float, default=7.0, help="how far back the list goes")
-    p.add_argument("--json", action="store_true")
+    _agent_flags(p)
     p.set_defaults(func=_cmd_status)
     p = sub.add_parser("logs", help="a job's log")
     p.add_argument("job")
     p.add_argument("--follow", action="store_true", help="stream from the start until the job ends; exit 3 if it fails")
     p.add_argument("--tail", type=int, default=100, help="how many last lines (without --follow)")
-    p.add_argument("--json", action="store_true")
+    _agent_flags(p)
     p.set_defaults(func=_cmd_logs)
     p = sub.add_parser("cancel", help="cancel a job and wait until it has ended")
     p.add_argument("job")
     p.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the job to end")
-    p.add_argument("--json", action="store_true")
+    _agent_flags(p)
     p.set_defaults(func=_cmd_cancel)
     args = parser.parse_args(argv)
     try:
