@@ -482,6 +482,8 @@ export GPUDOOR_TESTBED_LOG_DIR=$BED_LOG
 export GPUDOOR_TESTBED_SERVER_HOME=$BED_HOME
 export GPUDOOR_TESTBED_ROOT=$BED_ROOT
 export GPUDOOR_LABEL_KEY=$LABEL_KEY
+# The fleet the bed's API server's policy reads: a launcher (gpudoor launch, the code location) routes by it too.
+export GPUDOOR_FLEET_FILE=$REPO_ROOT/testbed/fleet.yaml
 EOF
 )"
 echo "$ENV_BODY" | write_if_changed "$STATE_DIR/env" 644 || true

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from gpudoor_pipelines.cli.main import main
+from tests.conftest import PROJECT_ROOT
 
 
 def _run(capsys, *argv: str) -> tuple[int, dict]:
@@ -108,6 +109,21 @@ def test_with_json_stdout_is_only_json_lines_and_a_job_says_how_long_it_ran(tmp_
         assert code == 0 and "Files uploaded" in captured.err and json.loads(captured.out)["job_id"] != job
     finally:
         library.removeHandler(handler)
+
+
+def test_the_teams_fleet_file_routes_a_launch_from_the_command_line_or_the_environment(tmp_path, capsys, monkeypatch):
+    bed_fleet = str(PROJECT_ROOT / "testbed" / "fleet.yaml")
+    spec = _task(tmp_path, "probe", "echo hi", accelerators="L4:1")
+    code, shipped = _run(capsys, "where", spec, "--json")
+    assert code == 0 and shipped["pool"] == "inference" and "gpudoor-bed" not in shipped["infra"]
+    code, answer = _run(capsys, "where", spec, "--json", "--fleet", bed_fleet)
+    assert code == 0 and answer["infra"] == "slurm/gpudoor-bed/onprem"
+    code, launched = _run(capsys, "launch", spec, "--json", "--fleet", bed_fleet)
+    assert code == 0 and launched["infra"] == "slurm/gpudoor-bed/onprem"
+    monkeypatch.setenv("GPUDOOR_FLEET_FILE", bed_fleet)  # the variable the API server's policy reads
+    code, launched = _run(capsys, "launch", spec, "--json")
+    assert code == 0 and launched["infra"] == "slurm/gpudoor-bed/onprem"
+    code, _ = _run(capsys, "cancel", launched["job_id"], "--json")
 
 
 def test_a_refused_file_is_json_with_every_problem_and_exit_2(tmp_path, capsys):

@@ -100,6 +100,7 @@ def launch(
     infra: str | None = None,
     cost_owner: str | None = None,
     env: Mapping[str, str] | None = None,
+    fleet_file: str | None = None,
 ) -> dict[str, Any]:
     """Resolves and submits one task file; returns what was launched (job id, pool, GPU, labels).
 
@@ -110,7 +111,7 @@ def launch(
     from gpudoor_pipelines.launch.resolve.specs import load_spec
     from gpudoor_pipelines.transit.uris import open_bucket, settings_from_env
 
-    launcher = _launcher()
+    launcher = _launcher(fleet_file=fleet_file)
     try:
         bucket = open_bucket(**settings_from_env())
         request = LaunchRequest(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 
 from gpudoor_pipelines.launch.client import PipesSkyPilotClient
@@ -20,6 +21,7 @@ def explain(
     infra: str | None = None,
     cost_owner: str | None = None,
     as_json: bool = False,
+    fleet_file: str | None = None,
 ) -> str:
     """Resolves ``spec`` exactly as a launch would (the same :func:`resolve`), without launching.
 
@@ -28,7 +30,9 @@ def explain(
     Raises:
         LaunchConfigError: the same errors a launch would raise, before anything runs.
     """
-    client = PipesSkyPilotClient(transit=bucket_from_env())
+    client = PipesSkyPilotClient(
+        transit=bucket_from_env(), fleet_file=fleet_file or os.environ.get("GPUDOOR_FLEET_FILE")
+    )
     bucket = client.transit.get_bucket()
     # SkyPilot may print while it parses; with --json, stdout carries the JSON answer only.
     with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():

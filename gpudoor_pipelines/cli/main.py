@@ -109,6 +109,7 @@ def _cmd_where(args: argparse.Namespace) -> int:
                 infra=args.infra,
                 cost_owner=args.cost_owner,
                 as_json=args.json,
+                fleet_file=args.fleet,
             )
         )
     except LaunchConfigError as e:
@@ -206,7 +207,13 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     def run() -> int:
         env = dict(item.split("=", 1) for item in args.env or [])
         launched = agent.launch(
-            args.spec, step=args.step, pool=args.pool, infra=args.infra, cost_owner=args.cost_owner, env=env
+            args.spec,
+            step=args.step,
+            pool=args.pool,
+            infra=args.infra,
+            cost_owner=args.cost_owner,
+            env=env,
+            fleet_file=args.fleet,
         )
         what = launched["accelerators"] or "CPU-only"
         code = _answer(
@@ -289,6 +296,15 @@ def _cmd_demo_stop(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fleet_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--fleet",
+        metavar="FILE",
+        help="the team's fleet file, the one its API server's policy reads (default: $GPUDOOR_FLEET_FILE, "
+        "else task_specs/fleet.yaml)",
+    )
+
+
 def _agent_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="only JSON on stdout, one object a line (for agents)")
     p.add_argument("--verbose", action="store_true", help="with --json: the libraries' logging on stderr")
@@ -315,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--infra", help="explicit SkyPilot infra override")
     p.add_argument("--cost-owner", help="cost owner label")
     p.add_argument("--json", action="store_true", help="machine-readable output (for agents)")
+    _fleet_flag(p)
     p.set_defaults(func=_cmd_where)
     p = sub.add_parser("pools", help="set Dagster's concurrency pools from the fleet's GPU caps")
     p.set_defaults(func=_cmd_pools)
@@ -339,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cost-owner", help="cost owner label (default: the file's, else the fleet's)")
     p.add_argument("--env", action="append", metavar="NAME=VALUE", help="value for an env the task declares")
     p.add_argument("--follow", action="store_true", help="stream the log until the job ends; exit 3 if it fails")
+    _fleet_flag(p)
     _agent_flags(p)
     p.set_defaults(func=_cmd_launch)
     p = sub.add_parser("status", help="a job's state, or your jobs of the last days")

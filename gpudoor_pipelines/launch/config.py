@@ -58,6 +58,8 @@ ENV_SETTINGS = {
     "cost_owner": "GPUDOOR_COST_OWNER",
     "local_home": "GPUDOOR_HOME",
     "user": "GPUDOOR_USER",
+    # The same variable names the fleet file for the API server's policy: launchers and server read one file.
+    "fleet_file": "GPUDOOR_FLEET_FILE",
 }
 
 

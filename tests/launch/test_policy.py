@@ -155,6 +155,27 @@ def test_rejects_infra_outside_the_fleet(sky):
     _rejected(sky, _spec("eval", infra="k8s/somebody-elses", labels=OWNER), "not a pool of the fleet")
 
 
+def test_a_launch_routed_by_another_fleet_than_the_servers_is_refused_for_its_fleet(sky, tmp_path, monkeypatch):
+    """The launcher routed by the shipped fleet, the server's policy reads another (its inference pool on
+    another cluster): the refusal names the fleet and the setting that fixes it, not the task file."""
+    from gpudoor_pipelines.launch.backends import sky_sdk
+    from gpudoor_pipelines.launch.errors import LaunchConfigError
+    from gpudoor_pipelines.launch.resolve.fleet import load_fleet
+    from gpudoor_pipelines.launch.resolve.request import LaunchRequest, resolve
+    from gpudoor_pipelines.launch.resolve.specs import load_spec
+
+    job = resolve(LaunchRequest(spec=load_spec("eval"), cost_owner="ml-research", asset="evals"), load_fleet())
+    servers = yaml.safe_load((SPECS_DIR / "fleet.yaml").read_text())
+    servers["pools"]["inference"]["infra"] = "k8s/inference-eu"
+    (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(servers))
+    monkeypatch.setenv("GPUDOOR_FLEET_FILE", str(tmp_path / "fleet.yaml"))
+    with pytest.raises(LaunchConfigError) as refused, sky_sdk.refusals(job):
+        _apply(sky, job.config, at_client_side=False)
+    (problem,) = refused.value.problems
+    assert problem.field == "fleet" and "not a pool of the fleet" in problem.problem
+    assert "GPUDOOR_FLEET_FILE" in problem.fix and "--fleet" in problem.fix
+
+
 def test_controller_requests_pass_through(sky):
     config = {"name": "ctrl", "resources": {"cpus": 2}, "run": "true"}
     task = _apply(sky, config, request="jobs.launch_controller")

@@ -150,6 +150,14 @@ def refusals(job: ResolvedJob) -> Iterator[None]:
         full = PoolFull.from_refusal(str(e), job.spec_path or job.name)
         if full is not None:
             raise full from None
+        if "is not a pool of the fleet" in str(e):  # the task routed by another fleet than the server's
+            raise LaunchConfigError(
+                "the API server's fleet",
+                "fleet",
+                f"the job was routed by a fleet file the API server's policy does not share: {e}",
+                "launch with the team's fleet file, the one the API server reads: set GPUDOOR_FLEET_FILE "
+                "(or `gpudoor launch --fleet FILE`)",
+            ) from None
         raise LaunchConfigError(
             job.spec_path or job.name,
             "(admin policy)",
