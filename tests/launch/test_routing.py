@@ -201,3 +201,30 @@ def test_pool_and_infra_overrides_must_agree(fleet):
     assert r.pool.name == "onprem" and r.infra == "slurm/onprem/debug"
     with pytest.raises(LaunchConfigError, match="does not belong to pool 'onprem'"):
         route(load_spec("caption"), fleet, pool="onprem", infra="k8s/inference-prod")
+
+
+def test_an_infra_two_pools_share_goes_to_the_one_that_can_run_the_job(tmp_path):
+    """On the bed's fleet ``inference`` and ``h200`` share the h200 partition; only ``h200`` is multi-node."""
+    fleet = load_fleet(SPECS_DIR.parent / "testbed" / "fleet.yaml")
+    infra = "slurm/gpudoor-bed/h200"
+
+    def spec(nodes: int, gpus: int = 1):
+        p = tmp_path / f"job-{nodes}-{gpus}.yaml"
+        resources = {"accelerators": f"H200:{gpus}", "infra": infra}
+        p.write_text(yaml.safe_dump({"name": "probe", "num_nodes": nodes, "resources": resources, "run": "true"}))
+        return load_spec(p)
+
+    two_nodes = route(spec(2), fleet, infra=infra)
+    assert two_nodes.pool.name == "h200" and two_nodes.infra == infra and two_nodes.num_nodes == 2
+    assert route(spec(1), fleet, infra=infra).pool.name == "h200"  # H200's own pool (accelerator_routes)
+    assert route(spec(1), fleet, step="eval", infra=infra).pool.name == "inference"  # the step's route first
+    # The h200 pool at its cap: a one-node job goes to the other pool on that infra, a two-node one nowhere.
+    full = Usage(gpus={"h200": fleet.pools["h200"].gpu_cap})
+    assert route(spec(1), fleet, infra=infra, usage=full).pool.name == "inference"
+    with pytest.raises(LaunchConfigError) as refused:
+        route(spec(2), fleet, infra=infra, usage=full)
+    assert "h200: " in refused.value.problem and "inference: " in refused.value.problem
+    # Infra outside the fleet: each infra named once, though two pools share one.
+    with pytest.raises(LaunchConfigError) as refused:
+        route(spec(1), fleet, infra="slurm/elsewhere")
+    assert refused.value.fix.count("'slurm/gpudoor-bed/h200'") == 1

@@ -227,6 +227,18 @@ def _attempts(spec: TaskSpec, pools: list[Pool]) -> list[tuple[Pool, Candidate]]
     return [(p, c) for p in pools for c in sorted(cands, key=lambda c: on_pool(p, c))]
 
 
+def _preferred(pools: list[Pool], fleet: Fleet, step: str | None, gpus: list[str]) -> list[Pool]:
+    """Pools that share one infra, in the order the job would meet them without the override: the step's
+    route, else the pools for its GPUs (or the CPU-only route); the rest in the fleet file's order."""
+    if step and step in fleet.routes:
+        order = list(fleet.routes[step])
+    elif gpus:
+        order = [p.name for p in fleet.pools_for_gpus(gpus)]
+    else:
+        order = list(fleet.cpu_route)
+    return sorted(pools, key=lambda p: order.index(p.name) if p.name in order else len(order))
+
+
 def route(
     spec: TaskSpec,
     fleet: Fleet,
@@ -271,35 +283,41 @@ def route(
             f"ask for one of {sorted(fleet.all_gpus)}, or add a pool that has it to {fleet.source}",
         )
 
-    def explicit(p: Pool, where: str, reason: str) -> Route:
-        misfits = []
-        for _, cand in _attempts(spec, [p]):
+    def explicit(pools: list[Pool], where: str | None, reason: str) -> Route:
+        """The first of ``pools`` that can run the job (several when they share the infra named)."""
+        misfits: list[tuple[Pool, _Misfit]] = []
+        for p, cand in _attempts(spec, pools):
             picked = _fit(spec, cand, p, fleet, user, usage)
             if not isinstance(picked, _Misfit):
-                return _route_to(spec, p, where, reason, picked, cand)
-            misfits.append(picked)
-        first = misfits[0]
-        raise LaunchConfigError(spec.path, first.field, "; ".join(dict.fromkeys(m.problem for m in misfits)), first.fix)
+                why = reason if len(pools) == 1 else f"{reason}, pool '{p.name}' of {[q.name for q in pools]}"
+                return _route_to(spec, p, where or p.infra, why, picked, cand)
+            misfits.append((p, picked))
+        first = misfits[0][1]
+        problems = (f"{p.name}: {m.problem}" if len(pools) > 1 else m.problem for p, m in misfits)
+        raise LaunchConfigError(spec.path, first.field, "; ".join(dict.fromkeys(problems)), first.fix)
 
     if infra:
-        p = fleet.pools.get(pool or "") if pool else fleet.pool_for_infra(infra)
-        if pool and (p is None or not p.owns_infra(infra)):
-            raise LaunchConfigError(
-                *infra_field,
-                f"'{infra}' does not belong to pool '{pool}'",
-                f"drop one of the two overrides, or use pool '{pool}''s infra {p.infra if p else '(unknown pool)'}",
-            )
-        if p is None:
+        if pool:
+            p = fleet.pools.get(pool)
+            if p is None or not p.owns_infra(infra):
+                raise LaunchConfigError(
+                    *infra_field,
+                    f"'{infra}' does not belong to pool '{pool}'",
+                    f"drop one of the two overrides, or use pool '{pool}''s infra {p.infra if p else '(unknown pool)'}",
+                )
+            return explicit([p], infra, f"infra override '{infra}'")
+        owners = [q for q in fleet.pools.values() if q.owns_infra(infra)]
+        if not owners:
             raise LaunchConfigError(
                 *infra_field,
                 f"'{infra}' is not a pool of the fleet ({fleet.source})",
-                f"use one of {[q.infra for q in fleet.pools.values()]} (a partition may follow, e.g. "
-                "slurm/onprem/debug)",
+                f"use one of {list(dict.fromkeys(q.infra for q in fleet.pools.values()))} (a partition may "
+                "follow, e.g. slurm/onprem/debug)",
             )
-        return explicit(p, infra, f"infra override '{infra}'")
+        return explicit(_preferred(owners, fleet, step, gpus), infra, f"infra override '{infra}'")
     if pool:
         p = fleet.pool(pool, field="pool override")
-        return explicit(p, p.infra, f"pool override '{pool}'")
+        return explicit([p], p.infra, f"pool override '{pool}'")
 
     if step:
         if step not in fleet.routes:
