@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Stop what testbed/up.sh started: Slurm jobs, the SkyPilot API server (and the job
-# controllers it spawned), the probe server, sshd, slurmd/slurmctld, munge (only if up.sh
-# started it). Leaves packages, the login user and all state/logs in place, so the next
-# up.sh is fast. `down.sh --purge` also deletes the bed's state (GPUDOOR_TESTBED_ROOT).
+# Stop what testbed/up.sh started: the managed jobs and warm pools its API server runs, Slurm
+# jobs, the SkyPilot API server (and the job controllers it spawned), the probe server, sshd,
+# slurmd/slurmctld, munge (only if up.sh started it). Leaves packages, the login user and all
+# state/logs in place, so the next up.sh is fast. `down.sh --purge` also deletes the bed's state
+# (GPUDOOR_TESTBED_ROOT).
 # The whole script is one function, parsed before it runs: editing the file while it runs
 # cannot change what a running instance executes.
 main() {
@@ -24,6 +25,18 @@ marked_pids() {
     { tr '\0' '\n' <"$envf"; } 2>/dev/null | grep -qxF "$marker" && echo "$pid"
   done
 }
+
+# Managed jobs and warm pools the server still runs are ended through it first: left unfinished in its
+# state, the next server start would recover them and the next test run find their GPUs taken.
+if [[ -f "$STATE_DIR/env" ]] && curl -fsS --max-time 5 "$API_ENDPOINT/api/health" >/dev/null 2>&1; then
+  (
+    set -a
+    # shellcheck disable=SC1091
+    source "$STATE_DIR/env"
+    set +a
+    "$PY" "$TESTBED_DIR/lib/end_jobs.py" --timeout "${GPUDOOR_TESTBED_END_JOBS_TIMEOUT:-300}"
+  ) || log "some managed jobs did not end (see above); their Slurm jobs are cancelled next"
+fi
 
 if [[ -f "$BED_RUN/slurmctld.pid" ]] && pid_alive "$BED_RUN/slurmctld.pid"; then
   jobs="$(squeue -h -o %i 2>/dev/null | tr '\n' ' ')"
