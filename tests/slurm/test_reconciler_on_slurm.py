@@ -28,7 +28,8 @@ from gpudoor_pipelines.launch.client import PipesSkyPilotClient
 from tests.slurm.conftest import allocations_of, managed_record
 from tests.slurm.test_client_on_slurm import BED_FLEET, REPO_ROOT, _spec_dir
 
-pytestmark = pytest.mark.slurm
+#: The jobs' start is waited for within 600 s (a loaded runner), the rest within the test's own bounds.
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(1500)]
 
 #: How long after the run is known dead its GPU must be free on Slurm: a reconciler tick, the cancel, and
 #: SkyPilot tearing the Slurm allocation down. Measured on the 2-core bed: 69 s alone, up to 274 s while
@@ -111,7 +112,7 @@ def test_a_terminated_run_and_a_killed_run_worker_leave_no_gpu_held(
     t0 = time.monotonic()
     terminated, killed = (_Worker(testbed, transit, specs, tmp_path, name) for name in ("terminated", "killed"))
     try:
-        deadline = time.time() + 360
+        deadline = time.time() + 600  # a bound, not a timing: two managed jobs started side by side
         while time.time() < deadline and not (terminated.started() and killed.started()):
             time.sleep(2)
         assert terminated.started() and killed.started(), (terminated.text[-2000:], killed.text[-2000:])
