@@ -132,39 +132,51 @@ def running_allocation(job_id: int) -> dict[str, str] | None:
 
 
 class Preempter:
-    """Runs ``attempt`` about every second in a thread until it returns something (what it preempted) or
-    ``within_s`` pass. A failed attempt (the API server busy, a read racing the run) is kept, and the next
-    one goes on: a test says why nothing was preempted instead of waiting for a job that was never touched."""
+    """Runs ``attempt`` about every second in a thread until it returns something (what it preempted), the
+    ``with`` block ends, or ``within_s`` pass (a bound against a hang: the run it watches ends first). A failed
+    attempt (the API server busy, a read racing the run) is kept, and the next one goes on: a test says why
+    nothing was preempted instead of waiting for a job that was never touched."""
 
     def __init__(self, attempt, within_s: float) -> None:
         self.attempt, self.within_s = attempt, within_s
         self.result: dict | None = None
         self.errors: list[str] = []
+        self.attempts = 0
+        self._started = 0.0
+        self._looked_s = 0.0
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> Preempter:
+        self._started = time.monotonic()
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._thread.join(timeout=5)
+        self._stop.set()
+        self._thread.join(timeout=30)
 
     def _run(self) -> None:
-        deadline = time.monotonic() + self.within_s
-        while time.monotonic() < deadline:
+        deadline = self._started + self.within_s
+        while time.monotonic() < deadline and not self._stop.is_set():
+            self.attempts += 1
             try:
                 result = self.attempt()
             except Exception as e:  # noqa: BLE001 - kept for the test's message; the next attempt goes on
                 self.errors.append(f"{type(e).__name__}: {e}")
                 result = None
+            self._looked_s = time.monotonic() - self._started
             if result:
                 self.result = result
                 return
-            time.sleep(1)
+            self._stop.wait(1)
 
     def why_not(self) -> str:
         """Why nothing was preempted (for an assertion's message)."""
-        return f"nothing preempted within {self.within_s:.0f} s; failed attempts: {len(self.errors)} {self.errors[-3:]}"
+        return (
+            f"nothing preempted in the {self._looked_s:.0f} s it looked (bound {self.within_s:.0f} s), "
+            f"{self.attempts} attempts; failed attempts: {len(self.errors)} {self.errors[-3:]}"
+        )
 
 
 def scancel(slurm_job_id: str) -> None:

@@ -19,7 +19,8 @@ from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
 from tests.slurm.conftest import Preempter, managed_record, running_allocation, scancel, squeue
 from tests.slurm.test_client_on_slurm import _logs, _resource
 
-pytestmark = pytest.mark.slurm
+#: A loaded runner took 611 s for this test (two managed jobs launched one after the other, one cancelled).
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(1800)]
 
 
 def test_a_job_evicted_from_inference_moves_to_the_pool_its_recover_to_names(testbed, transit, tmp_path):
@@ -54,7 +55,7 @@ def test_a_job_evicted_from_inference_moves_to_the_pool_its_recover_to_names(tes
         scancel(allocation["job_id"])
         return {"job_id": job_id, "allocation": allocation["name"]}
 
-    with Preempter(evict_once_running, within_s=600) as evictor:
+    with Preempter(evict_once_running, within_s=1500) as evictor:
         result = dg.materialize(
             [evicted],
             instance=instance,

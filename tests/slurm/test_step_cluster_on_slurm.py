@@ -55,7 +55,7 @@ def test_a_smoke_step_runs_on_a_cluster_of_its_own_relaunched_after_a_preemption
         scancel(allocations[0]["job_id"])
         return {"allocation": allocations[0]["name"]}
 
-    with Preempter(preempt_once_running, within_s=400) as preempter:
+    with Preempter(preempt_once_running, within_s=900) as preempter:
         result = dg.materialize(
             [preempted_smoke],
             instance=instance,

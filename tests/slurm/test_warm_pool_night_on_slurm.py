@@ -107,7 +107,7 @@ def night(testbed, s3_server, tmp_path_factory) -> Night:
 
         env = {"IMAGES_PER_PART": str(PER_PART), "WORKLOAD_THROTTLE_S": str(THROTTLE_S)}
         config = {"shards_per_job": 1, "max_workers": 1, "max_attempts": 2, "env": env}
-        with Preempter(preempt_after_first_part, within_s=600) as preempter:
+        with Preempter(preempt_after_first_part, within_s=1800) as preempter:
             result = job.execute_in_process(
                 instance=instance,
                 asset_selection=[dg.AssetKey("caption_shards")],
