@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 
 from gpudoor_pipelines.launch.client import PipesSkyPilotClient
+from gpudoor_pipelines.launch.config import settings_from_env
 from gpudoor_pipelines.launch.resolve.request import LaunchRequest, resolve
 from gpudoor_pipelines.launch.resolve.specs import load_spec
 from gpudoor_pipelines.transit.resource import bucket_from_env
@@ -31,7 +31,7 @@ def explain(
         LaunchConfigError: the same errors a launch would raise, before anything runs.
     """
     client = PipesSkyPilotClient(
-        transit=bucket_from_env(), fleet_file=fleet_file or os.environ.get("GPUDOOR_FLEET_FILE")
+        transit=bucket_from_env(), fleet_file=settings_from_env(fleet_file=fleet_file).fleet_file
     )
     bucket = client.transit.get_bucket()
     # SkyPilot may print while it parses; with --json, stdout carries the JSON answer only.

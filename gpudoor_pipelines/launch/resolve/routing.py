@@ -283,14 +283,14 @@ def route(
             f"ask for one of {sorted(fleet.all_gpus)}, or add a pool that has it to {fleet.source}",
         )
 
-    def explicit(pools: list[Pool], where: str | None, reason: str) -> Route:
+    def explicit(pools: list[Pool], where: str, reason: str) -> Route:
         """The first of ``pools`` that can run the job (several when they share the infra named)."""
         misfits: list[tuple[Pool, _Misfit]] = []
         for p, cand in _attempts(spec, pools):
             picked = _fit(spec, cand, p, fleet, user, usage)
             if not isinstance(picked, _Misfit):
                 why = reason if len(pools) == 1 else f"{reason}, pool '{p.name}' of {[q.name for q in pools]}"
-                return _route_to(spec, p, where or p.infra, why, picked, cand)
+                return _route_to(spec, p, where, why, picked, cand)
             misfits.append((p, picked))
         first = misfits[0][1]
         problems = (f"{p.name}: {m.problem}" if len(pools) > 1 else m.problem for p, m in misfits)
