@@ -56,12 +56,9 @@ def _forget_process_state() -> None:
 @pytest.fixture
 def fake_sky(monkeypatch):
     """The SkyPilot backend talking to the fake SDK of tests/launch/fake_sky.py (no API server)."""
-    from gpudoor_pipelines.launch.backends import sky_sdk
-    from tests.launch.fake_sky import FakeSky
+    from tests.launch.fake_sky import FakeSky, install
 
-    fake = FakeSky("http://127.0.0.1:1")
-    monkeypatch.setattr(sky_sdk, "sky", lambda: fake)
-    return fake
+    return install(monkeypatch, FakeSky("http://127.0.0.1:1"))
 
 
 @pytest.fixture(scope="session")

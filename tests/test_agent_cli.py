@@ -191,12 +191,10 @@ def test_human_mode_says_what_is_wrong_without_a_traceback(capsys, argv):
 def test_on_skypilot_status_lists_the_agents_jobs_of_the_week_pending_ones_too(capsys, monkeypatch):
     """The listing asks the server only for the week's jobs (not the whole history) and keeps a job still
     waiting for a GPU. The SDK is a fake: an API server with jobs in every state cannot run here."""
-    from gpudoor_pipelines.launch.backends import sky_sdk
     from gpudoor_pipelines.launch.backends import skypilot as skypilot_backend
-    from tests.launch.fake_sky import FakeSky, Record, Status
+    from tests.launch.fake_sky import FakeSky, Record, Status, install
 
-    fake = FakeSky("http://127.0.0.1:1")
-    monkeypatch.setattr(sky_sdk, "sky", lambda: fake)
+    fake = install(monkeypatch, FakeSky("http://127.0.0.1:1"))
     monkeypatch.setattr(skypilot_backend.SkyPilotBackend, "check", lambda self: None)  # no server to ask
     monkeypatch.setenv("GPUDOOR_BACKEND", "skypilot")
     monkeypatch.setenv("SKYPILOT_API_SERVER_ENDPOINT", fake.endpoint)

@@ -204,30 +204,32 @@ class Launcher:
         s = self.settings
         ids = list(job_ids)
         hub = status_hub(self.backend)
+        first = self._first_look_s()
         if service is not None:
 
-            def statuses(asked: Sequence[str]) -> dict[str, JobInfo]:
+            def statuses(asked: Sequence[str], fresh: bool) -> dict[str, JobInfo]:
                 return {service.job_id: service.status()}
 
             follow: Callable[[str], LogFollower] = lambda _job_id: service.follow_logs()  # noqa: E731
             most = s.poll_interval_s  # a service's URL shows without a change of state: no backing off
         else:
 
-            def statuses(asked: Sequence[str]) -> dict[str, JobInfo]:
-                return hub.get(asked, max_age_s=s.poll_interval_s)
+            def statuses(asked: Sequence[str], fresh: bool) -> dict[str, JobInfo]:
+                # A log that just ended says the job did: an answer older than a poll interval is not enough.
+                return hub.get(asked, max_age_s=s.poll_interval_s if fresh else first)
 
             follow = self.backend.follow_logs
-            most = s.max_poll_interval_s if self.backend.remote_status else s.poll_interval_s
+            most = s.max_poll_interval_s if self.backend.remote_status else first
         streams = Streams(follow, s.max_log_streams, lambda line: hooks.line(redact(line)), prefix=len(ids) > 1)
         infos: dict[str, JobInfo] = {}
         timelines = {job_id: Timeline() for job_id in ids}
         reported: dict[str, int] = {}
         moved: list[ResolvedJob] = []
         movable = movable if movable is not None and any(p.recover_to for p in self.fleet.pools.values()) else None
-        backoff = Backoff(s.poll_interval_s, most)
-        # The first poll comes a poll interval after submission (a job just submitted is pending): steps that
+        backoff = Backoff(first, most)
+        # The first poll comes a look's interval after submission (a job just submitted is pending): steps that
         # start together are then asked about in one request.
-        next_poll = time.monotonic() + s.poll_interval_s
+        next_poll = time.monotonic() + first
         hub.watch(ids)
         try:
             streams.start(ids, infos, now=len(ids) <= streams.limit)
@@ -238,7 +240,7 @@ class Launcher:
                 if cue or time.monotonic() >= next_poll:
                     previous = dict(infos)
                     live = [i for i in ids if i not in infos or not infos[i].state.is_terminal]
-                    answer = statuses(live)
+                    answer = statuses(live, fresh=bool(cue))
                     if len(ids) == 1 and ids[0] not in answer:
                         raise KeyError(f"the {self.backend.name} backend has no job {ids[0]}")
                     infos.update(answer)
@@ -379,10 +381,14 @@ class Launcher:
         """Releases jobs (or a warm pool, a cluster) and looks until nothing is held: the job terminal, its
         cluster gone, its processes gone. A release not confirmed within ``cancel_timeout_s`` says so in its
         outcome (the orphan reconciler tries again once its run has ended)."""
-        s = self.settings
         return release_and_verify(
-            self.backend, holdings, timeout_s=s.cancel_timeout_s, poll_s=max(s.poll_interval_s, 1.0)
+            self.backend, holdings, timeout_s=self.settings.cancel_timeout_s, poll_s=max(self._first_look_s(), 1.0)
         )
+
+    def _first_look_s(self) -> float:
+        """How soon a job's state is looked at again after a change: the poll interval, but never sooner than
+        the backend's states can change (:attr:`~.base.Jobs.status_granularity_s`)."""
+        return max(self.settings.poll_interval_s, self.backend.status_granularity_s)
 
     def cancel(self, job_id: str) -> ReleaseOutcome:
         """Cancels one job and verifies its release (``KeyError`` when the backend has no such job)."""

@@ -78,8 +78,8 @@ class StatusHub:
                     self._known.pop(job_id, None)
 
     def get(self, job_ids: Sequence[str], max_age_s: float = 0.0) -> dict[str, JobInfo]:
-        """The states of ``job_ids`` as of at most ``max_age_s`` ago (jobs the backend has no record of are left "
-        "out)."""
+        """The states of ``job_ids`` as of at most ``max_age_s`` ago (jobs the backend has no record of are left
+        out)."""
         asked = time.monotonic()
         while True:
             with self._cond:

@@ -307,3 +307,14 @@ class FakeSky:
             for job_id in job_ids:
                 self.cancelled.append(job_id)
                 self.records[job_id].status = Status.CANCELLED
+
+
+def install(monkeypatch, fake: FakeSky) -> FakeSky:
+    """Makes ``fake`` the SDK the SkyPilot backend calls. Its jobs move a state per status poll, not at the
+    pace of SkyPilot's controller, so the backend's floor between looks (``status_granularity_s``) is off."""
+    from gpudoor_pipelines.launch.backends import sky_sdk
+    from gpudoor_pipelines.launch.backends.skypilot import SkyPilotBackend
+
+    monkeypatch.setattr(sky_sdk, "sky", lambda: fake)
+    monkeypatch.setattr(SkyPilotBackend, "status_granularity_s", 0.0)
+    return fake

@@ -14,11 +14,10 @@ import dagster as dg
 import pytest
 import yaml
 
-from gpudoor_pipelines.launch.backends import sky_sdk
 from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
 from gpudoor_pipelines.transit.resource import TransitBucketResource
 from tests.conftest import SPECS_DIR
-from tests.launch.fake_sky import FakeSky, Status
+from tests.launch.fake_sky import FakeSky, Status, install
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
@@ -36,8 +35,7 @@ def fake_sky(monkeypatch):
     """A fake SDK behind a real health endpoint on 127.0.0.1 (the backend checks it before launching)."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    fake = FakeSky(f"http://127.0.0.1:{server.server_address[1]}")
-    monkeypatch.setattr(sky_sdk, "sky", lambda: fake)
+    fake = install(monkeypatch, FakeSky(f"http://127.0.0.1:{server.server_address[1]}"))
     yield fake
     server.shutdown()
     server.server_close()

@@ -12,13 +12,13 @@ import time
 
 import pytest
 
-from gpudoor_pipelines.launch.backends import sky_sdk
 from gpudoor_pipelines.launch.backends import skypilot as skypilot_backend
 from gpudoor_pipelines.launch.config import LaunchSettings
+from gpudoor_pipelines.launch.job import JobInfo, JobState
 from gpudoor_pipelines.launch.launcher import Launcher
 from gpudoor_pipelines.launch.resolve.fleet import load_fleet
-from gpudoor_pipelines.launch.watch import Backoff, status_hub
-from tests.launch.fake_sky import FakeSky, Status
+from gpudoor_pipelines.launch.watch import Backoff, Hooks, status_hub
+from tests.launch.fake_sky import FakeSky, Status, install
 from tests.launch.watch_fakes import TimedBackend
 
 
@@ -89,8 +89,7 @@ def test_an_unknown_job_is_an_error_not_a_wait(tmp_path):
 
 
 def test_the_team_usage_is_read_once_for_launches_close_together_and_again_after_a_submit(monkeypatch):
-    fake = FakeSky("http://127.0.0.1:1")
-    monkeypatch.setattr(sky_sdk, "sky", lambda: fake)
+    fake = install(monkeypatch, FakeSky("http://127.0.0.1:1"))
     fake.add_job(1, Status.RUNNING, {"gpudoor-pool": "onprem", "gpudoor-user": "ana"})
     backend = skypilot_backend.SkyPilotBackend(fake.endpoint)
     first = [skypilot_backend.SkyPilotBackend(fake.endpoint).usage() for _ in range(20)]
@@ -98,3 +97,33 @@ def test_the_team_usage_is_read_once_for_launches_close_together_and_again_after
     backend.cancel("1")  # this process changed what is held: the next launch reads it again
     backend.usage()
     assert len(fake.queue_requests) == 2
+
+
+class _Restless(TimedBackend):
+    """A backend whose job's state changes at every look until it ends (the worst case for backing off), and
+    whose states change no faster than once a second (as SkyPilot's controller changes them every 5-15 s)."""
+
+    status_granularity_s = 1.0
+
+    def _info(self, job_id: str) -> JobInfo:
+        info = super()._info(job_id)
+        if info.state.is_terminal:
+            return info
+        return JobInfo(job_id=job_id, state=JobState.STARTING if self.requests % 2 else JobState.RUNNING)
+
+
+def test_a_job_is_looked_at_no_sooner_than_its_backend_can_change_it_and_its_end_is_seen_at_once():
+    """Every look at SkyPilot's queue costs its API server a Python process: however short the poll interval, a
+    job is not asked about again sooner than its state can change. Its log still streams at the poll interval,
+    and the end of its log brings the look that sees it end."""
+    backend = _Restless()
+    backend.add("a", 4.0)
+    lines: list[str] = []
+    settings = LaunchSettings(poll_interval_s=0.05, max_poll_interval_s=30.0)
+    watched = Launcher(backend, load_fleet(), settings).wait(["a"], hooks=Hooks(line=lines.append))
+    seen_end = time.monotonic()
+    assert watched.infos["a"].state is JobState.SUCCEEDED
+    # At the poll interval, a state that changes at every look would be asked about some 80 times.
+    assert backend.requests <= 6, backend.requests
+    assert seen_end - backend.jobs["a"][1] < 0.5
+    assert lines == [f"a: second {i}" for i in range(4)]

@@ -59,6 +59,9 @@ class Jobs(abc.ABC):
     name: str = "backend"
     #: Status requests cost a round trip to a shared server: watchers back off while nothing changes.
     remote_status: bool = False
+    #: The shortest time in which a job's state can change as the backend reports it: a watcher does not
+    #: look again sooner, whatever its poll interval (which still paces the hand-over of log lines).
+    status_granularity_s: float = 0.0
 
     def watch_key(self) -> tuple:
         """What the jobs of this backend are watched under: one status hub per key and process."""
