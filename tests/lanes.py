@@ -1,11 +1,12 @@
-"""``make test``: the test lanes, two at a time, each with a bound, and a report that names what failed.
+"""``make test``: the test lanes, in two stages, each lane with a bound, and a report that names what failed.
 
-First the tests that need no test bed, in two lanes (one per core); then the bed's tests (``tests/slurm``) in
-two lanes of their own, split by the GPUs they hold (``BED_LANES``) so that neither lane's jobs change where
-the other's land. The two kinds do not run side by side: the bed's waiting is not free (every look SkyPilot
-takes at a job is a Python process), so beside the bed the rest was starved for minutes on a slow runner and
-missed its bounds, or took the CPU the bed's timing needed. Each kind alone behaves as it does on a quiet
-machine, whatever the runner's speed.
+First the tests that need no test bed, in three lanes (a pytest process keeps about half a core busy: its
+tests mostly wait on the processes they start); then the bed's tests (``tests/slurm``) in two lanes of their
+own, split by the GPUs they hold (``BED_LANES``) so that neither lane's jobs change where the other's land.
+The two kinds do not run side by side: the bed's waiting is not free (every look SkyPilot takes at a job is a
+Python process), so beside the bed the rest was starved for minutes on a slow runner and missed its bounds, or
+took the CPU the bed's timing needed. Each kind alone behaves as it does on a quiet machine, whatever the
+runner's speed.
 
 Each lane writes ``<reports>/<lane>.log`` (its whole output) and ``<reports>/<lane>.xml`` (JUnit); at the end
 this prints, for every lane that failed, its failures, then one summary: each lane's seconds, CPU-seconds and outcome,
@@ -79,14 +80,17 @@ BED_LANES = {
 }
 
 
-#: The rest in two lanes of about the same length, one per core: the programs the jobs run and the transit
-#: bucket (``unit-io``) beside everything else (``unit``), whose browser tests come last.
-IO_TESTS = ["tests/workloads", "tests/transit", "tests/test_caption_night.py"]
+#: The rest in three lanes of about the same length: the flows and the programs the jobs run with the transit
+#: bucket (``unit-io``), the caption nights and the launcher (``unit-night``), and everything else (``unit``),
+#: whose browser tests come last. (Session fixtures stay in one lane: the job environments of tests/workloads,
+#: the webserver of tests/e2e.)
+IO_TESTS = ["tests/workloads", "tests/transit", "tests/test_flow.py"]
+NIGHT_TESTS = ["tests/test_caption_night.py", "tests/launch"]
 LAST_TESTS = ["tests/e2e"]
 
 
 def lanes() -> list[Lane]:
-    """The lanes, in the order they run: the rest in two lanes, then the bed's tests in two lanes."""
+    """The lanes, in the order they run: the rest in three lanes, then the bed's tests in two lanes."""
     placed = {name for files in BED_LANES.values() for name in files}
     unplaced = sorted(p.name for p in (REPO_ROOT / SLURM).glob("test_*.py") if p.name not in placed)
     if unplaced:  # a new bed test file must say which lane's GPUs it holds
@@ -95,11 +99,12 @@ def lanes() -> list[Lane]:
     first = sorted(
         str(p.relative_to(REPO_ROOT))
         for p in [*tests.glob("test_*.py"), *(d for d in tests.iterdir() if d.is_dir() and any(d.rglob("test_*.py")))]
-        if str(p.relative_to(REPO_ROOT)) not in (*IO_TESTS, *LAST_TESTS, SLURM)
+        if str(p.relative_to(REPO_ROOT)) not in (*IO_TESTS, *NIGHT_TESTS, *LAST_TESTS, SLURM)
     )
     return [
         Lane("unit", [*first, *LAST_TESTS]),
         Lane("unit-io", IO_TESTS),
+        Lane("unit-night", NIGHT_TESTS),
         *(Lane(name, [f"{SLURM}/{f}" for f in files], bed=True) for name, files in BED_LANES.items()),
     ]
 
