@@ -31,8 +31,9 @@ from tests.slurm.test_client_on_slurm import _logs, _resource
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(1800)]
 
 #: The preempted shard: its images, captioned a part of PER_PART images at a time, THROTTLE_S seconds an image.
-#: Its job is preempted after its first part: the parts after leave the test some 50 s to see it and act.
-IMAGES, PER_PART, THROTTLE_S = 12, 2, 5
+#: Its job is preempted after its first part: the three parts after leave the test some 24 s to see it and act
+#: (a look takes the preempter a second or two, five on a loaded runner), and take as long again when it resumes.
+IMAGES, PER_PART, THROTTLE_S = 8, 2, 4
 
 
 @dataclasses.dataclass
