@@ -6,11 +6,11 @@ import contextlib
 import json
 import sys
 
-from gpudoor_pipelines.launch.client import PipesSkyPilotClient
-from gpudoor_pipelines.launch.config import settings_from_env
+from gpudoor_pipelines.launch.config import launching_user, settings_from_env
+from gpudoor_pipelines.launch.resolve.fleet import load_fleet
 from gpudoor_pipelines.launch.resolve.request import LaunchRequest, resolve
 from gpudoor_pipelines.launch.resolve.specs import load_spec
-from gpudoor_pipelines.transit.resource import bucket_from_env
+from gpudoor_pipelines.transit import uris
 
 
 def explain(
@@ -30,24 +30,24 @@ def explain(
     Raises:
         LaunchConfigError: the same errors a launch would raise, before anything runs.
     """
-    client = PipesSkyPilotClient(
-        transit=bucket_from_env(), fleet_file=settings_from_env(fleet_file=fleet_file).fleet_file
-    )
-    bucket = client.transit.get_bucket()
+    # The settings a launch reads (``gpudoor launch``, the code location's resources), without Dagster.
+    settings = settings_from_env(fleet_file=fleet_file)
+    bucket = uris.open_bucket(**uris.settings_from_env())
     # SkyPilot may print while it parses; with --json, stdout carries the JSON answer only.
     with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
         request = LaunchRequest(
-            spec=load_spec(spec, client.specs_dir, skypilot=True, strict=False),
+            spec=load_spec(spec, settings.specs_dir, skypilot=True, strict=False),
             inputs=bucket.job_env(),
             secrets=bucket.job_secrets(),
             pool=pool,
             infra=infra,
             cost_owner=cost_owner,
-            user=client.launching_user(),
+            default_cost_owner=settings.cost_owner,
+            user=launching_user(settings),
             asset="(gpudoor where)",
             step=step,
         )
-        job = resolve(request, client.get_fleet())
+        job = resolve(request, load_fleet(settings.fleet_file))
     route = job.route
     assert route is not None
     envs = job.config.get("envs", {})

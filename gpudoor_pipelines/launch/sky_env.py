@@ -7,8 +7,16 @@ the machine, so every code path that imports ``sky`` calls :func:`prepare` first
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 
 def prepare() -> None:
     """Switches off SkyPilot's usage collection for this process (idempotent)."""
     os.environ["SKYPILOT_DISABLE_USAGE_COLLECTION"] = "1"
+
+
+def reading_cache() -> Path:
+    """Where SkyPilot's reading of task files is kept between processes (``$GPUDOOR_HOME/cache/skypilot``,
+    else ``~/.gpudoor/cache/skypilot``): a command that reads a task file it read before needs no ``sky``."""
+    home = os.environ.get("GPUDOOR_HOME")
+    return (Path(home).expanduser() if home else Path.home() / ".gpudoor") / "cache" / "skypilot"

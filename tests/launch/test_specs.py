@@ -144,3 +144,42 @@ def test_spec_is_loaded_and_checked_once_per_file_version(tmp_path, monkeypatch)
     os.utime(path, (1, 1))  # a new version of the file is checked again
     load_spec(path, skypilot=True)
     assert len(calls) == 2
+
+
+def test_what_skypilot_read_is_kept_and_read_back_as_it_read_it(tmp_path, monkeypatch):
+    """Every shipped spec and every file of the corpus (SkyPilot's examples, agents' files): the resource sets
+    kept on disk come back exactly as SkyPilot's own reading gives them, and the second read imports nothing."""
+    from pathlib import Path
+
+    from gpudoor_pipelines.launch.resolve import sky_parse
+
+    monkeypatch.setenv("GPUDOOR_HOME", str(tmp_path))
+    corpus = Path(__file__).parent / "corpus"
+    read_by_sky = []
+    monkeypatch.setattr(sky_parse, "_read_candidates", _counting(sky_parse._read_candidates, read_by_sky))
+    files = sorted(SPECS_DIR.glob("*.yaml")) + sorted(corpus.glob("*.yaml"))
+    for path in files:
+        for config in yaml.safe_load_all(path.read_text()):
+            if isinstance(config, dict) and isinstance(config.get("resources"), dict):
+                _check_kept(sky_parse, config["resources"], str(path), read_by_sky)
+    assert len(read_by_sky) >= 30
+
+
+def _check_kept(sky_parse, resources: dict, path: str, read_by_sky: list) -> None:
+    try:
+        first = sky_parse.sky_candidates(resources, path)
+    except LaunchConfigError:
+        return
+    reads = len(read_by_sky)
+    assert sky_parse.sky_candidates(resources, path) == first, path
+    assert len(read_by_sky) == reads, f"{path}: read by SkyPilot again"
+    assert first == tuple(sky_parse._read_candidates.__wrapped__(resources, path)), path
+
+
+def _counting(fn, calls: list):
+    def wrapper(*args):
+        calls.append(args)
+        return fn(*args)
+
+    wrapper.__wrapped__ = fn
+    return wrapper

@@ -1,12 +1,23 @@
 """SkyPilot's own reading of a task: its resource candidates (``sky.Resources.from_yaml_config``) and the
 whole task (``sky.Task.from_yaml_config``), with a failure as an error that names the file and the field.
-Imports ``sky`` only when called."""
+
+Importing ``sky`` costs a command some two CPU-seconds, and an agent calls ``gpudoor where`` and
+``gpudoor launch`` in loops: what SkyPilot read is kept on disk (:func:`.sky_env.reading_cache`), keyed
+by what it read and SkyPilot's version, so the same task read again imports nothing. A task SkyPilot
+refuses is not kept: it is read again, and refused again with SkyPilot's own words."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import hashlib
+import json
+import os
 import re
+import tempfile
+from collections.abc import Callable
+from importlib import metadata
 from typing import Any
 
 from gpudoor_pipelines.launch import sky_env
@@ -50,6 +61,21 @@ def sky_candidates(resources: dict[str, Any], source: str = "(spec)") -> tuple[C
     Raises:
         LaunchConfigError: SkyPilot cannot read the resources.
     """
+    kept = _kept("resources", resources, lambda: [_encode(c) for c in _read_candidates(resources, source)])
+    return tuple(_decode(c) for c in kept)
+
+
+def _encode(c: Candidate) -> dict[str, Any]:
+    return {**dataclasses.asdict(c), "features": sorted(c.features), "fields": [list(kv) for kv in c.fields]}
+
+
+def _decode(d: dict[str, Any]) -> Candidate:
+    return Candidate(
+        d["accelerator"], d["count"], d["use_spot"], frozenset(d["features"]), tuple((k, v) for k, v in d["fields"])
+    )
+
+
+def _read_candidates(resources: dict[str, Any], source: str) -> list[Candidate]:
     sky_env.prepare()
     import sky
 
@@ -82,7 +108,7 @@ def sky_candidates(resources: dict[str, Any], source: str = "(spec)") -> tuple[C
     unique: dict[str, Candidate] = {}
     for c in out:
         unique.setdefault(repr(c), c)
-    return tuple(unique.values())
+    return list(unique.values())
 
 
 def _candidate_key(c: Candidate) -> tuple[Any, ...]:
@@ -95,6 +121,10 @@ def validate_with_skypilot(config: dict[str, Any], source: str) -> None:
     Raises:
         LaunchConfigError: with SkyPilot's message, naming the file.
     """
+    _kept("task", config, lambda: _read_task(config, source))
+
+
+def _read_task(config: dict[str, Any], source: str) -> bool:
     sky_env.prepare()
     import sky
 
@@ -109,8 +139,46 @@ def validate_with_skypilot(config: dict[str, Any], source: str) -> None:
             f"SkyPilot rejects the task: {' '.join(message)[:500]}",
             "correct the field as SkyPilot says",
         ) from None
+    return True
 
 
 def _field_from_sky_message(message: str) -> str:
     match = re.search(r"'([a-zA-Z_][a-zA-Z0-9_.]*)'", message)
     return match.group(1) if match else "(task)"
+
+
+@functools.cache
+def _skypilot_version() -> str:
+    for name in ("skypilot", "skypilot-nightly"):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def _kept(kind: str, what: Any, read: Callable[[], Any]) -> Any:
+    """SkyPilot's reading of ``what`` (``read()``), kept on disk by what was read and SkyPilot's version.
+
+    A reading that raises is not kept. A cache that cannot be read or written is read past: the reading is
+    then SkyPilot's own, as without a cache."""
+    try:
+        text = json.dumps([kind, _skypilot_version(), what], sort_keys=True)
+    except (TypeError, ValueError):  # a value JSON cannot hold (a YAML date): read it, keep nothing
+        return read()
+    path = sky_env.reading_cache() / f"{hashlib.sha256(text.encode()).hexdigest()}.json"
+    try:
+        return json.loads(path.read_text())["reading"]
+    except (OSError, ValueError, KeyError):
+        pass
+    reading = read()
+    if json.loads(json.dumps(reading)) != reading:  # JSON would not give it back as it is: keep nothing
+        return reading
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+            json.dump({"reading": reading}, f)
+        os.replace(f.name, path)
+    except OSError:
+        pass
+    return reading
