@@ -265,3 +265,67 @@ def test_an_agents_cancel_verifies_the_release_like_a_steps(tmp_path, capsys):
     # The job's own child went with it (gone, or a zombie nobody has reaped yet).
     stat = f"/proc/{child}/stat"
     assert not os.path.exists(stat) or open(stat).read().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_where_imports_no_dagster_and_a_task_file_read_before_needs_no_skypilot(tmp_path):
+    """An agent asks ``gpudoor where`` in a loop: the answer needs neither Dagster nor, for a task file SkyPilot
+    has read before (kept under $GPUDOOR_HOME/cache), SkyPilot; the answer is the same, and a file SkyPilot
+    refuses is refused every time, in SkyPilot's words."""
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        yaml.safe_dump({"name": "bad", "resources": {"accelerators": "L4:1", "disk_tier": "warp"}, "run": "x"})
+    )
+    script = (
+        "import json, sys\n"
+        "from gpudoor_pipelines.cli.main import main\n"
+        "code = main(sys.argv[1:])\n"
+        "loaded = sorted({m.split('.')[0] for m in sys.modules} & {'dagster', 'dagster_aws', 'sky'})\n"
+        "print(json.dumps({'code': code, 'loaded': loaded}), file=sys.stderr)\n"
+    )
+    env = {**os.environ, "GPUDOOR_HOME": str(tmp_path / "home")}
+
+    def where(spec: str) -> tuple[dict, dict]:
+        out = subprocess.run(
+            [sys.executable, "-c", script, "where", spec, "--json"],
+            cwd=PROJECT_ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        return json.loads(out.stdout), json.loads(out.stderr.strip().splitlines()[-1])
+
+    first, first_run = where("task_specs/eval.yaml")
+    again, again_run = where("task_specs/eval.yaml")
+    assert first_run == {"code": 0, "loaded": ["sky"]}  # SkyPilot read the file: no Dagster
+    assert again_run == {"code": 0, "loaded": []}  # read before: neither
+    assert again == first and first["pool"] and first["accelerators"]
+    for _ in range(2):
+        refused, run = where(str(bad))
+        assert run == {"code": 2, "loaded": ["sky"]} and refused["file"] == str(bad)
+        assert "SkyPilot" in refused["problem"]
+
+
+def test_on_skypilot_logs_of_a_job_is_one_request_and_an_unknown_job_is_still_no_such_job(capsys, monkeypatch):
+    """Agents read logs in loops: the log's own answer is enough (no look at the queue first), and a job the
+    server does not know is still told apart by a look. The SDK is a fake that counts the queue requests."""
+    from gpudoor_pipelines.launch.backends import skypilot as skypilot_backend
+    from tests.launch.fake_sky import FakeSky, Status, install
+
+    fake = install(monkeypatch, FakeSky("http://127.0.0.1:1"))
+    monkeypatch.setattr(skypilot_backend.SkyPilotBackend, "check", lambda self: None)  # no server to ask
+    monkeypatch.setenv("GPUDOOR_BACKEND", "skypilot")
+    monkeypatch.setenv("SKYPILOT_API_SERVER_ENDPOINT", fake.endpoint)
+    fake.add_job(1, Status.SUCCEEDED, {"gpudoor-pool": "onprem"})
+    code, shown = _run(capsys, "logs", "1", "--json")
+    assert code == 0 and shown["lines"] == ["fake job 1 says hello", "fake job 1 is done"]
+    assert fake.queue_requests == []
+    # What SkyPilot answers for a job it does not know: one line, no error.
+    monkeypatch.setattr(
+        fake.jobs, "tail_logs", lambda job_id, output_stream, **_: output_stream.write("Job 7 not found.\n")
+    )
+    code, shown = _run(capsys, "logs", "7", "--json")
+    assert code == 5 and shown["error"] == "no such job" and len(fake.queue_requests) == 1

@@ -159,13 +159,19 @@ def status(job_id: str) -> dict[str, Any]:
 
 
 def logs(job_id: str, *, tail: int = 100) -> list[str]:
-    """The job's last ``tail`` log lines."""
+    """The job's last ``tail`` log lines.
+
+    One request where the log answers: only a log of one line or none (which may be the backend saying it
+    has no such job, in its own words) is followed by a look at the job, which tells "no such job" apart.
+    """
     launcher = _launcher()
-    try:
-        launcher.status(job_id)
+    try:  # an id the backend never issues is refused before any path is built or request is sent (KeyError)
+        lines = launcher.backend.log_tail(job_id, tail)
+        if len(lines) <= 1:
+            launcher.status(job_id)
     except KeyError:
         raise _no_such_job(job_id) from None
-    return launcher.backend.log_tail(job_id, tail)
+    return lines
 
 
 def follow(job_id: str, on_line: Callable[[str], None]) -> dict[str, Any]:
