@@ -25,6 +25,7 @@ from gpudoor_pipelines.launch.resolve.request import ResolvedJob
 from gpudoor_pipelines.launch.resolve.routing import Route
 from gpudoor_pipelines.launch.resolve.rules import identity_signature
 from gpudoor_pipelines.transit.resource import TransitBucketResource
+from tests.conftest import PROJECT_ROOT
 from tests.launch.fake_sky import Status
 
 POLICY = ReconcilerPolicy(grace_minutes=10, interactive_ttl_hours=12, max_interactive_ttl_hours=72)
@@ -377,3 +378,109 @@ def test_a_terminated_batch_has_its_jobs_and_warm_pool_released_and_verified(tmp
     assert all(v.startswith("confirmed in") for v in released.values())
     backend = client.get_backend()
     assert backend.pool_workers("gpudoor-test-pool") == 0
+
+
+# ------------------------------------------------------------------ runs whose own process died
+
+
+def test_a_process_is_gone_only_on_this_host_and_a_pid_used_again_is_not_taken_for_it():
+    import socket
+    import subprocess
+    import sys
+
+    from gpudoor_pipelines.launch.record.process import run_process_gone, this_run_process
+
+    me = this_run_process()
+    assert me is not None and not run_process_gone(me)
+    host, pid, start = me.rsplit(":", 2)
+    assert run_process_gone(f"{host}:{pid}:{int(start) + 1}")  # the same pid, another process since
+    assert not run_process_gone(f"{host}-elsewhere:{pid}:{int(start) + 1}")  # another host's: never
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    assert run_process_gone(f"{socket.gethostname()}:{ended.pid}:")
+    assert not run_process_gone("no-identity")
+
+
+def test_a_run_killed_in_its_own_process_is_marked_failed_and_its_job_released(tmp_path, monkeypatch):
+    """``gpudoor flow`` and ``dg.materialize`` run their steps in their own process: killed with ``kill -9``,
+    no run worker is left for Dagster's run monitoring, and the run stayed STARTED with its job running. The
+    reconciler sees the process gone, marks the run failed and releases the job (grace 0 here; the shipped
+    fleet waits ``grace_minutes``). A live run of the same kind is left alone."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster_home"))
+    (tmp_path / "dagster_home").mkdir()
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    (specs / "caption.yaml").write_text(
+        yaml.safe_dump({"name": "long", "resources": {"accelerators": "L4:1"}, "run": "sleep 600"})
+    )
+    client = _local_client(tmp_path)
+    script = tmp_path / "flow.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import dagster as dg
+        from gpudoor_pipelines.launch.client import PipesSkyPilotClient
+        from gpudoor_pipelines.transit.resource import TransitBucketResource
+
+        @dg.asset
+        def long_step(context, skypilot: PipesSkyPilotClient):
+            return skypilot.run(context=context, request=skypilot.request(context, "caption")).get_materialize_result()
+
+        transit = TransitBucketResource(local_root={str(tmp_path / "transit")!r})
+        client = PipesSkyPilotClient(local_home={client.local_home!r}, fleet_file={client.fleet_file!r},
+                                     specs_dir={str(specs)!r}, transit=transit)
+        dg.materialize([long_step], instance=dg.DagsterInstance.get(), resources={{"skypilot": client}})
+    """)
+    )
+    with (tmp_path / "flow.log").open("w") as log:
+        flow = subprocess.Popen(
+            [sys.executable, str(script)],
+            env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    backend = client.get_backend()
+    instance = dg.DagsterInstance.get()
+    job_ids: list[str] = []
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            runs = instance.get_runs()
+            job_ids = [v.split(":", 1)[1] for r in runs for k, v in r.tags.items() if k.startswith("gpudoor/job-")]
+            if job_ids and backend.status(job_ids[0]).state.value == "RUNNING":
+                break
+            time.sleep(0.2)
+        assert job_ids, (tmp_path / "flow.log").read_text()[-3000:]
+        (run,) = instance.get_runs()
+        (job_id,) = job_ids
+        assert run.tags["gpudoor/run-process"].split(":")[1] == str(flow.pid)
+
+        # While the process lives, nothing is marked and nothing released.
+        with dg.build_sensor_context(instance=instance, resources={"skypilot": client}) as context:
+            alive = orphan_reconciler(context)
+        assert not alive.run_requests and instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.STARTED
+
+        flow.send_signal(signal.SIGKILL)
+        flow.wait(timeout=30)
+        assert backend.status(job_id).state.value == "RUNNING"  # nothing forwarded a cancel
+        with dg.build_sensor_context(instance=instance, resources={"skypilot": client}) as context:
+            (request,) = orphan_reconciler(context).run_requests
+        marked = instance.get_run_by_id(run.run_id)
+        assert marked.status == dg.DagsterRunStatus.FAILURE
+        (failure,) = instance.all_logs(run.run_id, of_type=dg.DagsterEventType.RUN_FAILURE)
+        assert "orphan reconciler" in failure.message and f":{flow.pid}:" in failure.message
+        releases = request.run_config["ops"]["release_held_gpus"]["config"]["releases"]
+        assert [r["id"] for r in releases] == [job_id]
+        result = release_held_gpus_job.execute_in_process(
+            run_config=request.run_config, instance=instance, resources={"skypilot": client}, tags=request.tags
+        )
+        assert result.success and backend.status(job_id).state.value == "CANCELLED"
+        assert not _group_alive(backend._runner(job_id)["pgid"])
+    finally:
+        flow.kill()
+        for job_id in job_ids:
+            backend.cancel(job_id)

@@ -125,7 +125,7 @@ def plan_releases(
                 out.append(Release(h, f"its Dagster run {run_id} is unknown to this instance (held {_minutes(age)})"))
         elif run.status in ENDED_RUN_STATUSES:
             ended = run.ended_at if run.ended_at is not None else since
-            if now - ended > grace:
+            if now - ended >= grace:
                 out.append(Release(h, f"its Dagster run {run_id} ended {run.status} {_minutes(now - ended)} ago"))
         elif age > grace and not _launched_by(h, run_id, run):
             out.append(Release(h, f"it names the running Dagster run {run_id}, which did not launch it"))

@@ -8,12 +8,18 @@ asks the Dagster instance about the runs those holdings name (one query per 500 
 released and what was seen; a release not confirmed within the bound fails the run with an error
 event naming the job. The run that launched the holding gets a ``gpudoor/released-…`` tag saying so.
 
+A run whose steps execute in its own process (``gpudoor flow``, ``dg.materialize``) has no run worker for
+Dagster's run monitoring to watch: its first launching step names that process in a run tag
+(:mod:`gpudoor_pipelines.launch.record.process`), and each tick marks failed a run in flight whose process,
+on this host, is gone. Its jobs are then released as any ended run's are, ``grace_minutes`` later.
+
 Restarts are harmless: the cursor remembers when each holding was first seen and when its release was
 asked (a release asked is not asked again until its bound has passed), and each run has a run key made
 of what it releases, so a tick that Dagster resumes launches nothing twice. With ``dry_run`` in the
 fleet's ``reconciler`` section, a tick says what it would release and releases nothing.
 """
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -28,7 +34,8 @@ from gpudoor_pipelines.automation.reconcile import Release, RunFacts, claimed_ru
 from gpudoor_pipelines.launch.client import PipesSkyPilotClient
 from gpudoor_pipelines.launch.events import report_unconfirmed
 from gpudoor_pipelines.launch.job import Holding
-from gpudoor_pipelines.launch.labels import LABEL_KEY_ENV, TAG_RELEASED_PREFIX
+from gpudoor_pipelines.launch.labels import LABEL_KEY_ENV, TAG_RELEASED_PREFIX, TAG_RUN_PROCESS
+from gpudoor_pipelines.launch.record.process import run_process_gone
 from gpudoor_pipelines.launch.record.release import ReleaseOutcome, release_and_verify
 from gpudoor_pipelines.launch.resolve.fleet import ReconcilerPolicy
 from gpudoor_pipelines.launch.resolve.rules import deployment_name
@@ -66,15 +73,35 @@ def run_facts(instance: dg.DagsterInstance, run_ids: Sequence[str]) -> dict[str,
     return out
 
 
+#: Run statuses of a run still going (or about to): its process may have died under it.
+_IN_FLIGHT = [dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
+
+
+def dead_runs(instance: dg.DagsterInstance) -> list[tuple[dg.DagsterRun, str]]:
+    """The runs in flight whose own process (their ``gpudoor/run-process`` tag), on this host, is gone; with
+    that process. One query of the runs in flight (at most 500 a tick)."""
+    out = []
+    for record in instance.get_run_records(filters=dg.RunsFilter(statuses=_IN_FLIGHT), limit=_RUNS_PER_QUERY):
+        identity = record.dagster_run.tags.get(TAG_RUN_PROCESS)
+        if identity and run_process_gone(identity):
+            out.append((record.dagster_run, identity))
+    return out
+
+
 def label_key() -> str | None:
     """The deployment's key for signed run identities (``GPUDOOR_LABEL_KEY``), if set."""
     return os.environ.get(LABEL_KEY_ENV) or None
 
 
 def reconcile_tick(
-    instance: dg.DagsterInstance, skypilot: PipesSkyPilotClient, cursor: dict, now: float
+    instance: dg.DagsterInstance,
+    skypilot: PipesSkyPilotClient,
+    cursor: dict,
+    now: float,
+    ended: frozenset[str] | set[str] = frozenset(),
 ) -> tuple[list[Release], list[Release], dict]:
-    """One tick's judgement: (to release now, judged but asked already, the new cursor)."""
+    """One tick's judgement: (to release now, judged but asked already, the new cursor). Runs in ``ended``
+    (whose process is gone) are judged as failed ``now``, marked so or not (a dry run marks nothing)."""
     policy = skypilot.get_fleet().reconciler
     backend = skypilot.get_backend()
     holdings = backend.holdings()
@@ -84,6 +111,8 @@ def reconcile_tick(
     for h in holdings:
         first_seen.setdefault(h.key, now)
     runs = run_facts(instance, named_runs(holdings, key))
+    for run_id in ended & runs.keys():
+        runs[run_id] = dataclasses.replace(runs[run_id], status="FAILURE", ended_at=now)
     judged = plan_releases(
         holdings, runs, now=now, policy=policy, first_seen=first_seen, label_key=key, deployment=deployment_name()
     )
@@ -194,18 +223,29 @@ def orphan_reconciler(context: dg.SensorEvaluationContext, skypilot: PipesSkyPil
     """Releases jobs and warm pools whose Dagster run has ended or is unknown, and interactive clusters past
     their time to live (see the module docstring)."""
     cursor = json.loads(context.cursor) if context.cursor else {}
-    now = time.time()
     policy = skypilot.get_fleet().reconciler
-    fresh, waiting, new_cursor = reconcile_tick(context.instance, skypilot, cursor, now)
+    dead = dead_runs(context.instance)
+    for run, identity in dead if not policy.dry_run else ():
+        said = f"its process ({identity}) is gone: nothing waits for its jobs"
+        context.instance.report_run_failed(run, message=f"Marked failed by the orphan reconciler: {said}.")
+        context.log.warning(f"Marked run {run.run_id} failed: {said}.")
+    now = time.time()
+    ended = {run.run_id for run, _ in dead}
+    fresh, waiting, new_cursor = reconcile_tick(context.instance, skypilot, cursor, now, ended=ended)
     cursor_text = json.dumps(new_cursor, separators=(",", ":"))
     for r in waiting:
         context.log.info(f"{r.holding.describe()}: release already asked ({r.reason})")
     if policy.dry_run:
+        marks = [f"run {run.run_id} (its process {identity} is gone)" for run, identity in dead]
         lines = [f"{r.holding.describe()}: {r.reason}" for r in fresh]
+        for line in marks:
+            context.log.info(f"dry run: would mark failed {line}")
         for line in lines:
             context.log.info(f"dry run: would release {line}")
-        said = f"dry run: would release {len(lines)}: " + "; ".join(lines) if lines else "dry run: nothing to release"
-        return dg.SensorResult(skip_reason=said, cursor=cursor_text)
+        said = f"would release {len(lines)}: " + "; ".join(lines) if lines else "nothing to release"
+        if marks:
+            said = f"would mark failed {len(marks)}: " + "; ".join(marks) + "; " + said
+        return dg.SensorResult(skip_reason=f"dry run: {said}", cursor=cursor_text)
     if not fresh:
         return dg.SensorResult(skip_reason="nothing to release", cursor=cursor_text)
     return dg.SensorResult(run_requests=[run_request(fresh, now, retry_after_s(policy))], cursor=cursor_text)

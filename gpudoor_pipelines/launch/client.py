@@ -42,6 +42,7 @@ from gpudoor_pipelines.launch.labels import (
 )
 from gpudoor_pipelines.launch.launcher import Launcher, Redactor
 from gpudoor_pipelines.launch.record.goodput import preemption_cost, saved_times
+from gpudoor_pipelines.launch.record.process import run_process_tags
 from gpudoor_pipelines.launch.record.records import BatchPlan, BatchResult, LaunchRecord, ServiceRecord
 from gpudoor_pipelines.launch.resolve.fleet import Fleet, load_fleet
 from gpudoor_pipelines.launch.resolve.request import LaunchRequest, ResolvedJob, resolve
@@ -156,6 +157,14 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
         """A task spec by name (``caption``) or path, checked (cached until the file changes)."""
         return load_spec(name, self.specs_dir, skypilot=self.validate_with_skypilot, strict=False)
 
+    @staticmethod
+    def _record_run_process(context: dg.AssetExecutionContext) -> None:
+        """Names the process the run executes in, where its steps run in it (:mod:`.record.process`): the orphan
+        reconciler marks the run failed once that process is gone, and releases what it launched."""
+        tags = run_process_tags()
+        if tags and any(context.run.tags.get(k) != v for k, v in tags.items()):
+            context.instance.add_run_tags(context.run.run_id, tags)
+
     def launching_user(self) -> str:
         """Who launches (see :meth:`Launcher.user`)."""
         return launching_user(self.settings())
@@ -240,6 +249,7 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
             )
             with nothing_launched():
                 job = resolve(request, launcher.fleet, usage=usage.result() if usage is not None else None)
+            self._record_run_process(context)
             job_id, job = self._reattach_or_submit(context, launcher, job, request)
             redact = Redactor(job.secrets)
             tag_key = job_tag_key(request)
@@ -348,6 +358,7 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
 
         with nothing_launched():
             launcher = self.launcher()
+        self._record_run_process(context)
         backend = launcher.backend
         bucket = self.transit.get_bucket()
         reader = dg.PipesCompositeMessageReader([pipes_message_reader(bucket) for _ in range(num_jobs)])
@@ -427,6 +438,7 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
             request = self._with_transit(request, self.transit.get_bucket(), {}, context.run.dagster_execution_info)
             job = resolve(request, launcher.fleet, usage=launcher.backend.usage())
         assert job.route is not None and job.cluster_name
+        self._record_run_process(context)
         context.log.info(
             f"Starting service {job.cluster_name} on pool '{job.pool}' ({job.route.infra}): {job.route.reason}."
         )

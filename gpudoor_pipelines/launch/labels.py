@@ -51,3 +51,6 @@ TAG_COST_OWNER = "gpudoor/cost-owner"
 TAG_JOB_PREFIX = "gpudoor/job-"
 #: ``gpudoor/released-<kind>-<id>``: how the release of something a run held went.
 TAG_RELEASED_PREFIX = "gpudoor/released-"
+#: ``<host>:<pid>:<start>``: the process a run executes in, where its steps run in that process (``gpudoor flow``,
+#: ``dg.materialize``, the in-process executor): if it is gone, nobody waits for the run's jobs.
+TAG_RUN_PROCESS = "gpudoor/run-process"
