@@ -107,9 +107,9 @@ class Launcher:
         self, job: ResolvedJob, job_id: str, request: LaunchRequest, hooks: Hooks
     ) -> tuple[str, ResolvedJob] | None:
         """A job RECOVERING on a pool whose ``recover_to`` names others: launched on the first of them that can
-        take it now (routed and ruled for that pool, its caps counted), then the recovering one is cancelled
-        and its release verified. Returns the new job id and job; None when no pool can take it (SkyPilot
-        goes on recovering it where it was)."""
+        take it now (routed and ruled for that pool, its caps counted). Returns the new job id and job (the
+        caller follows it, then releases the recovering one); None when no pool can take it (SkyPilot goes on
+        recovering it where it was)."""
         if job.launch_as != "managed" or not self.fleet.pools[job.pool].recover_to:
             return None  # a step cluster is launched again by the step itself, on its own pool
         refused = []
@@ -128,7 +128,6 @@ class Launcher:
                 f"(recover_to of '{job.pool}' in {self.fleet.source}); it resumes from what it saved. Cancelling job "
                 f"{job_id}."
             )
-            hooks.released(self.release([self.backend.holding_of(job_id)]))
             return new_id, new_job
         hooks.said(
             f"Job {job_id} was evicted from pool '{job.pool}' and no pool of its recover_to can take it "
@@ -258,6 +257,9 @@ class Launcher:
                                 if new is not None:
                                     moved.append(new[1])
                                     self._replace(ids, job_id, new[0], infos, timelines, streams, hub)
+                                    # The new job's log streams first: a short job may end while the old
+                                    # one's release is verified, and a log opened after its end shows nothing.
+                                    hooks.released(self.release([self.backend.holding_of(job_id)]))
                                     backoff.reset()
                     if hooks.preempted is not None:
                         report_preemptions(ids, previous, infos, reported, hooks.preempted)

@@ -276,7 +276,12 @@ def _evicted_from_onprem(tmp_path: Path, fake: FakeSky) -> tuple[dict, list[str]
 def test_a_job_evicted_from_a_pool_with_recover_to_moves_to_the_next_pool(tmp_path, fake_sky):
     """Evicted from onprem (RECOVERING), whose recover_to names inference: launched there, the old one cancelled."""
     fake_sky.polls_to_finish, fake_sky.preempt_at, fake_sky.preempt_jobs = 6, {3}, {1}
+    calls: list[str] = []  # the new job's log must stream before the old one's release (a short job ends meanwhile)
+    tail, cancel = fake_sky.jobs.tail_logs, fake_sky.jobs.cancel
+    fake_sky.jobs.tail_logs = lambda job_id, **kw: calls.append(f"follow {job_id}") or tail(job_id, **kw)
+    fake_sky.jobs.cancel = lambda job_ids: calls.append(f"cancel {job_ids}") or cancel(job_ids)
     md, warnings, tags = _evicted_from_onprem(tmp_path, fake_sky)
+    assert calls.index("follow 2") < calls.index("cancel [1]"), calls
     # The job launched on inference with that pool's labels and env; the one recovering on onprem cancelled.
     first, second = fake_sky.launched
     assert first.resources.copy().pop().labels["gpudoor-pool"] == "onprem"
