@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from gpudoor_pipelines.transit.bucket import gpudoor_home
+
 
 def prepare() -> None:
     """Switches off SkyPilot's usage collection for this process (idempotent)."""
@@ -18,5 +20,4 @@ def prepare() -> None:
 def reading_cache() -> Path:
     """Where SkyPilot's reading of task files is kept between processes (``$GPUDOOR_HOME/cache/skypilot``,
     else ``~/.gpudoor/cache/skypilot``): a command that reads a task file it read before needs no ``sky``."""
-    home = os.environ.get("GPUDOOR_HOME")
-    return (Path(home).expanduser() if home else Path.home() / ".gpudoor") / "cache" / "skypilot"
+    return gpudoor_home() / "cache" / "skypilot"

@@ -21,6 +21,14 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
+
+def gpudoor_home() -> Path:
+    """``$GPUDOOR_HOME``, else ``~/.gpudoor``: where this machine keeps the door's state (the embedded default's
+    jobs and transit folder, what SkyPilot read of task files)."""
+    home = os.environ.get("GPUDOOR_HOME")
+    return Path(home).expanduser() if home else Path.home() / ".gpudoor"
+
+
 MANIFEST_NAME = "_manifest.json"
 """File name of the manifest of a published folder; written last, so its presence means complete."""
 TMP_PREFIX = ".tmp-"

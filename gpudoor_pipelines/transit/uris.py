@@ -17,6 +17,7 @@ from gpudoor_pipelines.transit.bucket import (
     TransitConfigError,
     _clean,
     _folder,
+    gpudoor_home,
 )
 from gpudoor_pipelines.transit.s3 import S3TransitBucket
 
@@ -91,8 +92,7 @@ ENV_SECRETS = {
 
 def default_local_root() -> Path:
     """``$GPUDOOR_HOME/transit`` if GPUDOOR_HOME is set, else ``~/.gpudoor/transit``."""
-    home = os.environ.get("GPUDOOR_HOME")
-    return (Path(home).expanduser() if home else Path.home() / ".gpudoor") / "transit"
+    return gpudoor_home() / "transit"
 
 
 def settings_from_env(*, secrets: bool = True) -> dict[str, Any]:

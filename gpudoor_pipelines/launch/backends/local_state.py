@@ -16,6 +16,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from gpudoor_pipelines.transit.bucket import gpudoor_home
+
 LOG_FILE = "run.log"
 STATE_FILE = "state.json"
 TASK_FILE = "task.json"
@@ -55,7 +57,7 @@ def job_dirs(jobs_root: Path) -> list[Path]:
 
 def default_home() -> Path:
     """``$GPUDOOR_HOME`` or ``~/.gpudoor``: where the embedded default keeps its state."""
-    return Path(os.environ.get("GPUDOOR_HOME") or Path.home() / ".gpudoor")
+    return gpudoor_home()
 
 
 def free_port() -> int:

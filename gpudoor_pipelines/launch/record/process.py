@@ -26,9 +26,8 @@ def _stat(pid: int) -> list[str] | None:
         return None
 
 
-def _start_ticks(pid: int) -> str | None:
-    """The process's start time since boot, in clock ticks."""
-    fields = _stat(pid)
+def _start_ticks(fields: list[str] | None) -> str | None:
+    """A process's start time since boot, in clock ticks, from its :func:`_stat` fields."""
     return fields[19] if fields and len(fields) > 19 else None
 
 
@@ -38,7 +37,7 @@ def this_run_process() -> str | None:
     if multiprocessing.parent_process() is not None:
         return None
     pid = os.getpid()
-    return f"{socket.gethostname()}:{pid}:{_start_ticks(pid) or ''}"
+    return f"{socket.gethostname()}:{pid}:{_start_ticks(_stat(pid)) or ''}"
 
 
 def run_process_tags() -> dict[str, str]:
@@ -66,5 +65,5 @@ def run_process_gone(identity: str) -> bool:
     fields = _stat(pid)
     if fields and fields[0] == "Z":
         return True  # killed, not yet reaped by its parent
-    now = fields[19] if fields and len(fields) > 19 else None
+    now = _start_ticks(fields)
     return bool(start and now and now != start)  # the pid is another process's now
