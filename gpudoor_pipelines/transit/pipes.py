@@ -55,11 +55,41 @@ def _s3_classes() -> tuple[type, type]:  # on first use: importing dagster_aws c
                 _delete_under(self.client, self.bucket, key)
 
     class TransitPipesS3MessageReader(PipesS3MessageReader):
-        """Under the transit root, and deleted afterwards (dagster-aws 0.29's: at the bucket root, kept)."""
+        """Under the transit root, and deleted afterwards (dagster-aws 0.29's: at the bucket root, kept).
+
+        Done once the session has closed and one look after that found no new chunk. The session closes when
+        the job has ended, so everything it wrote is in the bucket by then; the stock reader, not knowing that,
+        waited ten more seconds for a job that never says goodbye (a plain script, or one that crashed).
+        """
 
         def __init__(self, *, key_root: str, **kwargs: Any):
             super().__init__(include_stdio_in_messages=False, **kwargs)
             self.key_root = key_root
+            self._closing = self._drained = False
+            self.looks_after_close = 0  # downloads tried after the session closed (for tests)
+
+        @contextlib.contextmanager
+        def read_messages(self, handler: Any):
+            self._closing = self._drained = False
+            with super().read_messages(_DrainedHandler(handler, self)) as params:
+                try:
+                    yield params
+                finally:  # before the stock reader tells its thread the session is closed
+                    self._closing = True
+
+        def messages_are_readable(self, params: Any) -> bool:
+            return self._looked(super().messages_are_readable, params)  # False: the job wrote nothing
+
+        def download_messages(self, cursor: Any, params: Any) -> Any:
+            return self._looked(lambda p: super(TransitPipesS3MessageReader, self).download_messages(cursor, p), params)
+
+        def _looked(self, look: Any, params: Any) -> Any:
+            closing = self._closing
+            result = look(params)
+            if closing:
+                self.looks_after_close += 1
+                self._drained = self._drained or not result
+            return result
 
         @contextlib.contextmanager
         def get_params(self):
@@ -74,6 +104,21 @@ def _s3_classes() -> tuple[type, type]:  # on first use: importing dagster_aws c
                 _delete_under(self.client, self.bucket, prefix + "/")
 
     return TransitPipesS3ContextInjector, TransitPipesS3MessageReader
+
+
+class _DrainedHandler:
+    """A Pipes message handler as the S3 reader's thread sees it: closed once the reader has drained the
+    bucket after the session closed (everything else is the session's own handler)."""
+
+    def __init__(self, handler: Any, reader: Any) -> None:
+        self._handler, self._reader = handler, reader
+
+    @property
+    def received_closed_message(self) -> bool:
+        return self._handler.received_closed_message or self._reader._drained
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handler, name)
 
 
 def _delete_under(client: Any, bucket: str, prefix: str) -> None:

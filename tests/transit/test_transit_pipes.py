@@ -152,3 +152,57 @@ def test_messages_of_a_job_recovered_after_preemption_all_arrive(s3_server, s3_b
     assert dg.materialize([recovered]).success
     assert [(m["attempt"], m.get("last", False)) for m in received] == [("1", False), ("2", False), ("2", True)]
     assert all(isinstance(m["durable_at"], float) for m in received)
+
+
+# A job that reports once and crashes before saying goodbye: its chunk goes up (a second or two), then it dies.
+CRASHING_JOB = r"""
+import os, time
+import boto3
+from dagster_pipes import PipesS3ContextLoader, PipesS3MessageWriter, open_dagster_pipes
+
+client = boto3.client("s3")
+pipes = open_dagster_pipes(
+    context_loader=PipesS3ContextLoader(client), message_writer=PipesS3MessageWriter(client, interval=0.1)
+)
+pipes.report_custom_message({"step": 1})
+time.sleep(3)
+os._exit(3)
+"""
+
+
+@pytest.mark.s3
+def test_a_job_that_never_says_goodbye_ends_its_session_at_once_with_every_message(s3_server, s3_bucket_name):
+    """A plain script or a crashed job sends no closed message: once it has ended, the reader looks at the
+    bucket once more and is done (the stock reader kept looking for ten seconds), and what the job wrote
+    before it died still arrives."""
+    transit = TransitBucketResource(
+        kind="s3",
+        bucket=s3_bucket_name,
+        prefix="transit",
+        endpoint_url=s3_server,
+        region=TEST_REGION,
+        access_key_id=TEST_KEY_ID,
+        secret_access_key=TEST_SECRET,
+    )
+    bucket = transit.get_bucket()
+    # Never looks on its own while the job runs: the message can only arrive through the look after the end.
+    reader = pipes_message_reader(bucket, interval=600)
+    received = []
+
+    @dg.asset
+    def crashed(context: dg.AssetExecutionContext):
+        with dg.open_pipes_session(
+            context=context, context_injector=pipes_context_injector(bucket), message_reader=reader
+        ) as session:
+            clean = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "DAGSTER_PIPES"))}
+            env = {**clean, **bucket.job_env(), **bucket.job_secrets(), **session.get_bootstrap_env_vars()}
+            proc = subprocess.run([sys.executable, "-c", CRASHING_JOB], env=env, capture_output=True, text=True)
+            assert proc.returncode == 3, proc.stderr
+        received.extend(session.get_custom_messages())
+        return dg.MaterializeResult()
+
+    assert dg.materialize([crashed]).success
+    assert received == [{"step": 1}]
+    # Found the chunks, then nothing more: done (the stock reader looked once a second for ten seconds).
+    assert reader.looks_after_close <= 3
+    assert list(bucket.list_keys(f"{PIPES_PREFIX}/")) == []
