@@ -154,6 +154,12 @@ def test_a_terminated_run_and_a_killed_run_worker_leave_no_gpu_held(
         assert result.success
         (record,) = result.output_for_node("release_held_gpus")
         assert record["confirmed"] and record["seen"][0] == f"job {killed.job_id}: CANCELLED"
+
+        # The live run's job ran on through the reconciler's release; now its run is terminated (while the killed
+        # run's allocation is torn down): the step cancels its job and verifies the release.
+        assert managed_record(int(terminated.job_id)).status.value == "RUNNING"
+        terminated.proc.send_signal(signal.SIGINT)  # what Dagster does to a step when its run is terminated
+
         while _allocated(orphan) and time.monotonic() - known_dead < RELEASE_BOUND_S:
             time.sleep(2)
         released_s = time.monotonic() - known_dead
@@ -166,9 +172,6 @@ def test_a_terminated_run_and_a_killed_run_worker_leave_no_gpu_held(
             .startswith("confirmed in")
         )
 
-        # The live run's job ran on; now its run is terminated: the step cancels it and verifies the release.
-        assert managed_record(int(terminated.job_id)).status.value == "RUNNING"
-        terminated.proc.send_signal(signal.SIGINT)  # what Dagster does to a step when its run is terminated
         terminated.proc.wait(timeout=300)
         terminated.reader.join(timeout=10)
         text = terminated.text
