@@ -16,6 +16,12 @@ import pytest
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 SPECS_DIR = PROJECT_ROOT / "task_specs"
 
+
+def given_inputs(spec) -> dict[str, str]:
+    """Values for a task spec's required inputs (``envs: {NAME: null}``), as a launch gives them."""
+    return {name: f"s3://team/inputs/{name.lower()}" for name in spec.required}
+
+
 os.environ["SKYPILOT_DISABLE_USAGE_COLLECTION"] = "1"
 # A SkyPilot client that has no endpoint must fail, never start a private API server of its own.
 os.environ["SKYPILOT_DISABLE_LOCAL_API_SERVER"] = "1"

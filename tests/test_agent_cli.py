@@ -140,6 +140,36 @@ def test_a_refused_file_is_json_with_every_problem_and_exit_2(tmp_path, capsys):
     assert _ == {"jobs": []}
 
 
+def test_a_task_that_needs_an_input_is_refused_without_it_naming_the_variable_and_the_flag(tmp_path, capsys):
+    """A task declares what it needs the SkyPilot way (``envs: {NAME: null}``): a launch, or a ``where``, that
+    does not give it is refused before anything is submitted, naming each variable and the flag that gives it."""
+    code, refused = _run(capsys, "launch", "task_specs/eval.yaml", "--json")
+    assert code == 2 and refused["error"] == "refused before launch"
+    assert {p["field"] for p in refused["problems"]} == {"envs.CHECKPOINT_URI", "envs.DATASET_URI", "envs.OUTPUT_URI"}
+    assert all(f"--env {p['field'][len('envs.') :]}=VALUE" in p["fix"] for p in refused["problems"])
+    assert refused["file"].endswith("task_specs/eval.yaml")
+    code, listed = _run(capsys, "status", "--json")
+    assert listed == {"jobs": []}  # nothing was submitted
+    code, refused = _run(capsys, "where", "eval", "--json", "--env", "CHECKPOINT_URI=s3://team/ckpt/step-20")
+    assert code == 2 and {p["field"] for p in refused["problems"]} == {"envs.DATASET_URI", "envs.OUTPUT_URI"}
+    given = {"CHECKPOINT_URI": "s3://team/ckpt/step-20", "DATASET_URI": "s3://team/data.parquet", "OUTPUT_URI": ""}
+    code, answer = _run(capsys, "where", "eval", "--json", *(f"--env={k}={v}" for k, v in given.items()))
+    assert code == 0 and {k: answer["task_env"][k] for k in given} == given  # an empty value is a value
+
+    # A job gets what --env gives it.
+    path = tmp_path / "greet.yaml"
+    path.write_text(yaml.safe_dump({"name": "greet", "envs": {"GREETING": None}, "run": "echo got=$GREETING"}))
+    code, refused = _run(capsys, "launch", str(path), "--json")
+    assert code == 2 and refused["field"] == "envs.GREETING"
+    code, launched = _run(capsys, "launch", str(path), "--json", "--env", "GREETING=hello")
+    assert code == 0
+    assert main(["logs", launched["job_id"], "--follow"]) == 0
+    assert "got=hello" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as bad:  # not NAME=VALUE: a usage error that says how to write it
+        main(["launch", str(path), "--env", "GREETING"])
+    assert bad.value.code == 2 and "write NAME=VALUE" in capsys.readouterr().err
+
+
 def test_an_unknown_job_exits_5(capsys):
     code, answer = _run(capsys, "status", "20260101-000000-abcdef", "--json")
     assert code == 5 and answer["error"] == "no such job" and answer["field"] == "job_id"
@@ -287,9 +317,9 @@ def test_where_imports_no_dagster_and_a_task_file_read_before_needs_no_skypilot(
     )
     env = {**os.environ, "GPUDOOR_HOME": str(tmp_path / "home")}
 
-    def where(spec: str) -> tuple[dict, dict]:
+    def where(spec: str, *given: str) -> tuple[dict, dict]:
         out = subprocess.run(
-            [sys.executable, "-c", script, "where", spec, "--json"],
+            [sys.executable, "-c", script, "where", spec, "--json", *given],
             cwd=PROJECT_ROOT,
             env=env,
             capture_output=True,
@@ -298,8 +328,9 @@ def test_where_imports_no_dagster_and_a_task_file_read_before_needs_no_skypilot(
         )
         return json.loads(out.stdout), json.loads(out.stderr.strip().splitlines()[-1])
 
-    first, first_run = where("task_specs/eval.yaml")
-    again, again_run = where("task_specs/eval.yaml")
+    inputs = [f"--env={name}=s3://team/{name.lower()}" for name in ("CHECKPOINT_URI", "DATASET_URI", "OUTPUT_URI")]
+    first, first_run = where("task_specs/eval.yaml", *inputs)
+    again, again_run = where("task_specs/eval.yaml", *inputs)
     assert first_run == {"code": 0, "loaded": ["sky"]}  # SkyPilot read the file: no Dagster
     assert again_run == {"code": 0, "loaded": []}  # read before: neither
     assert again == first and first["pool"] and first["accelerators"]

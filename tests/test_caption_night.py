@@ -32,7 +32,7 @@ from gpudoor_pipelines.launch.backends.local import LocalBackend
 from gpudoor_pipelines.launch.client import PipesSkyPilotClient
 from gpudoor_pipelines.transit.io_manager import TransitIOManager
 from gpudoor_pipelines.transit.resource import TransitBucketResource
-from tests.conftest import SPECS_DIR
+from tests.conftest import SPECS_DIR, given_inputs
 
 MODEL = "color-shape-v1"
 
@@ -299,9 +299,10 @@ def _hold_the_gpu(night: Night, seconds: int) -> str:
     from gpudoor_pipelines.launch.resolve.request import LaunchRequest, resolve
     from gpudoor_pipelines.launch.resolve.specs import load_spec
 
+    spec = load_spec("caption", skypilot=False)
     request = LaunchRequest(
-        spec=load_spec("caption", skypilot=False),
-        inputs={},
+        spec=spec,
+        inputs=given_inputs(spec),  # the job only sleeps
         env={},
         user="someone-else",
         asset="other",

@@ -8,6 +8,13 @@ import dagster as dg
 import pytest
 
 from gpudoor_pipelines.cli.main import main
+from gpudoor_pipelines.launch.resolve.specs import load_spec
+from tests.conftest import given_inputs
+
+
+def _given(spec: str) -> list[str]:
+    """The ``--env`` flags that give a shipped spec its required inputs."""
+    return [f"--env={name}={value}" for name, value in given_inputs(load_spec(spec)).items()]
 
 
 @pytest.mark.parametrize(
@@ -37,7 +44,7 @@ from gpudoor_pipelines.cli.main import main
     ],
 )
 def test_where_explains_each_spec(capsys, spec, pool, infra, accel, nodes, env_key, env_value):
-    assert main(["where", spec, "--step", spec.split("/")[-1].removesuffix(".yaml"), "--json"]) == 0
+    assert main(["where", spec, "--step", spec.split("/")[-1].removesuffix(".yaml"), "--json", *_given(spec)]) == 0
     info = json.loads(capsys.readouterr().out)
     assert (info["pool"], info["infra"], info["accelerators"], info["num_nodes"]) == (pool, infra, accel, nodes)
     assert info["injected_env"][env_key] == env_value
@@ -48,7 +55,7 @@ def test_where_explains_each_spec(capsys, spec, pool, infra, accel, nodes, env_k
 
 
 def test_where_human_output_and_override(capsys):
-    assert main(["where", "eval", "--pool", "ondemand"]) == 0
+    assert main(["where", "eval", "--pool", "ondemand", *_given("eval")]) == 0
     out = capsys.readouterr().out
     assert "pool        : ondemand" in out and "decided by  : pool override 'ondemand'" in out
     assert "LOCAL_CACHE_DIR=/workspace/cache" in out
@@ -59,14 +66,14 @@ def test_where_redacts_secret_values(capsys, monkeypatch):
     monkeypatch.setenv("GPUDOOR_S3_BUCKET", "transit")
     monkeypatch.setenv("GPUDOOR_S3_ACCESS_KEY_ID", "AKIAEXAMPLEKEY")
     monkeypatch.setenv("GPUDOOR_S3_SECRET_ACCESS_KEY", "super-secret-value-123")
-    assert main(["where", "caption"]) == 0
+    assert main(["where", "caption", *_given("caption")]) == 0
     out = capsys.readouterr().out
     assert "AWS_SECRET_ACCESS_KEY=****" in out
     assert "super-secret-value-123" not in out and "AKIAEXAMPLEKEY" not in out
 
 
 def test_where_bad_override_is_a_clear_error(capsys):
-    assert main(["where", "train", "--pool", "inference"]) == 2
+    assert main(["where", "train", "--pool", "inference", *_given("train")]) == 2
     err = capsys.readouterr().err
     assert "train.yaml" in err and "resources.accelerators" in err and "Fix:" in err
 

@@ -124,7 +124,8 @@ class PackedRun(abc.ABC):
         self.context = context
         self.skypilot = skypilot
         self.bucket = bucket
-        self.request = request
+        # Each job's inputs are its entries of the batch file: the task's required envs are the batch's to give.
+        self.request = dataclasses.replace(request, batch_input=self.batch_env)
         self.window_end = window_end
         self.max_workers = max_workers
         self.items_per_job = items_per_job

@@ -22,6 +22,7 @@ def explain(
     cost_owner: str | None = None,
     as_json: bool = False,
     fleet_file: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> str:
     """Resolves ``spec`` exactly as a launch would (the same :func:`resolve`), without launching.
 
@@ -39,6 +40,7 @@ def explain(
             spec=load_spec(spec, settings.specs_dir, skypilot=True, strict=False),
             inputs=bucket.job_env(),
             secrets=bucket.job_secrets(),
+            env=dict(env or {}),
             pool=pool,
             infra=infra,
             cost_owner=cost_owner,

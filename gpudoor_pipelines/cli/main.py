@@ -110,6 +110,7 @@ def _cmd_where(args: argparse.Namespace) -> int:
                 cost_owner=args.cost_owner,
                 as_json=args.json,
                 fleet_file=args.fleet,
+                env=args.env,
             )
         )
     except LaunchConfigError as e:
@@ -205,14 +206,13 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     from gpudoor_pipelines.cli import agent
 
     def run() -> int:
-        env = dict(item.split("=", 1) for item in args.env or [])
         launched = agent.launch(
             args.spec,
             step=args.step,
             pool=args.pool,
             infra=args.infra,
             cost_owner=args.cost_owner,
-            env=env,
+            env=args.env,
             fleet_file=args.fleet,
         )
         what = launched["accelerators"] or "CPU-only"
@@ -305,6 +305,26 @@ def _fleet_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
+class _EnvValue(argparse.Action):
+    """``--env NAME=VALUE``, repeatable, into a mapping (an empty value is ``NAME=``)."""
+
+    def __call__(self, parser, namespace, value, option_string=None) -> None:  # noqa: ANN001 - argparse's signature
+        name, sep, given = str(value).partition("=")
+        if not sep or not name.strip():
+            parser.error(f"{option_string} {value!r}: write NAME=VALUE (an empty value: NAME=)")
+        setattr(namespace, self.dest, {**(getattr(namespace, self.dest) or {}), name.strip(): given})
+
+
+def _env_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--env",
+        action=_EnvValue,
+        default=None,
+        metavar="NAME=VALUE",
+        help="value for an env the task declares (repeatable); required ones are declared with no value",
+    )
+
+
 def _agent_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="only JSON on stdout, one object a line (for agents)")
     p.add_argument("--verbose", action="store_true", help="with --json: the libraries' logging on stderr")
@@ -330,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pool", help="explicit pool override")
     p.add_argument("--infra", help="explicit SkyPilot infra override")
     p.add_argument("--cost-owner", help="cost owner label")
+    _env_flag(p)
     p.add_argument("--json", action="store_true", help="machine-readable output (for agents)")
     _fleet_flag(p)
     p.set_defaults(func=_cmd_where)
@@ -354,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pool", help="explicit pool override")
     p.add_argument("--infra", help="explicit SkyPilot infra override")
     p.add_argument("--cost-owner", help="cost owner label (default: the file's, else the fleet's)")
-    p.add_argument("--env", action="append", metavar="NAME=VALUE", help="value for an env the task declares")
+    _env_flag(p)
     p.add_argument("--follow", action="store_true", help="stream the log until the job ends; exit 3 if it fails")
     _fleet_flag(p)
     _agent_flags(p)

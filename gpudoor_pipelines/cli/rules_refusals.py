@@ -61,6 +61,12 @@ def refusals(fleet: Fleet, source: str) -> list[str]:
             f"remove it: per-cluster paths come from the pool's `env` in `{source}`, data URIs from the launcher",
         ),
         (
+            "an input the task declares with no value (`envs: {NAME: null}`) that the launch does not give",
+            "`envs.<NAME>`",
+            "give it: `--env NAME=VALUE` (`gpudoor launch`, `gpudoor where`), or `env: {NAME: VALUE}` in the launch's "
+            "run config",
+        ),
+        (
             "a secret with a value in the file",
             "`secrets.<NAME>`",
             "write `<NAME>: null`; the value comes from the launcher's environment",

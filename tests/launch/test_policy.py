@@ -11,7 +11,7 @@ import types
 import pytest
 import yaml
 
-from tests.conftest import SPECS_DIR
+from tests.conftest import SPECS_DIR, given_inputs
 
 POLICY = "gpudoor_pipelines.launch.server.policy.GpuDoorPolicy"
 
@@ -41,8 +41,10 @@ def _apply(sky, config: dict, request="jobs.launch", cluster_name=None, at_clien
 
 
 def _spec(name: str, **resources) -> dict:
+    """A shipped spec as SkyPilot gets it: its required inputs (``NAME: null``) given, as ``--env`` gives them."""
     config = yaml.safe_load((SPECS_DIR / f"{name}.yaml").read_text())
     config["resources"] = {**config["resources"], **resources}
+    config["envs"] = {k: f"{k.lower()}-given" if v is None else v for k, v in (config.get("envs") or {}).items()}
     return config
 
 
@@ -164,7 +166,10 @@ def test_a_launch_routed_by_another_fleet_than_the_servers_is_refused_for_its_fl
     from gpudoor_pipelines.launch.resolve.request import LaunchRequest, resolve
     from gpudoor_pipelines.launch.resolve.specs import load_spec
 
-    job = resolve(LaunchRequest(spec=load_spec("eval"), cost_owner="ml-research", asset="evals"), load_fleet())
+    spec = load_spec("eval")
+    job = resolve(
+        LaunchRequest(spec=spec, inputs=given_inputs(spec), cost_owner="ml-research", asset="evals"), load_fleet()
+    )
     servers = yaml.safe_load((SPECS_DIR / "fleet.yaml").read_text())
     servers["pools"]["inference"]["infra"] = "k8s/inference-eu"
     (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(servers))

@@ -12,12 +12,13 @@ from gpudoor_pipelines.launch.resolve.fleet import load_fleet
 from gpudoor_pipelines.launch.resolve.request import LaunchRequest, resolve
 from gpudoor_pipelines.launch.resolve.routing import Usage
 from gpudoor_pipelines.launch.resolve.specs import load_spec
+from tests.conftest import given_inputs
 
 
 def test_resolve_is_pure_and_names_the_job_after_the_run():
     request = LaunchRequest(
         spec=load_spec("caption"),
-        inputs={"SHARD_URI": "s3://b/shard-003"},
+        inputs={"CAPTION_BATCH_URI": "s3://b/batch-003.json"},
         env={"CAPTION_MODEL": "color-shape-v1"},
         asset="caption_shards",
         partition="shard-003",
@@ -27,7 +28,7 @@ def test_resolve_is_pure_and_names_the_job_after_the_run():
     first, second = resolve(request, load_fleet()), resolve(request, load_fleet())
     assert first == second and first.name == "caption-shards-shard-003-0123abcd"
     assert (
-        first.config["envs"]["SHARD_URI"] == "s3://b/shard-003"
+        first.config["envs"]["CAPTION_BATCH_URI"] == "s3://b/batch-003.json"
         and first.config["envs"]["CAPTION_MODEL"] == "color-shape-v1"
     )
     assert first.labels["dagster-partition"] == "shard-003" and first.labels["gpudoor-step"] == "caption"
@@ -37,20 +38,24 @@ def test_resolve_is_pure_and_names_the_job_after_the_run():
 def test_resolve_uses_live_usage_and_refuses_undeclared_env():
     spec = load_spec("caption")
     full = Usage(gpus={"onprem": 16})
-    assert resolve(LaunchRequest(spec=spec, step="caption"), load_fleet(), usage=full).pool == "inference"
+    inputs = given_inputs(spec)
+    assert (
+        resolve(LaunchRequest(spec=spec, inputs=inputs, step="caption"), load_fleet(), usage=full).pool == "inference"
+    )
     with pytest.raises(LaunchConfigError) as err:
-        resolve(LaunchRequest(spec=spec, env={"CAPTION_MODL": "x"}), load_fleet())
+        resolve(LaunchRequest(spec=spec, inputs=inputs, env={"CAPTION_MODL": "x"}), load_fleet())
     assert err.value.field == "env.CAPTION_MODL" and "CAPTION_MODEL" in err.value.fix
 
 
 @pytest.mark.parametrize("spec", ["caption", "train", "eval", "smoke", "demo"])
 def test_where_shows_exactly_what_resolve_gives(capsys, spec):
-    assert main(["where", spec, "--step", spec, "--json"]) == 0
+    inputs = given_inputs(load_spec(spec))
+    assert main(["where", spec, "--step", spec, "--json", *(f"--env={k}={v}" for k, v in inputs.items())]) == 0
     shown = json.loads(capsys.readouterr().out)
-    job = resolve(
-        LaunchRequest(spec=load_spec(spec), user=shown["labels"]["gpudoor-user"], asset="(gpudoor where)", step=spec),
-        load_fleet(),
+    request = LaunchRequest(
+        spec=load_spec(spec), env=inputs, user=shown["labels"]["gpudoor-user"], asset="(gpudoor where)", step=spec
     )
+    job = resolve(request, load_fleet())
     assert (shown["pool"], shown["infra"], shown["accelerators"]) == (job.pool, job.route.infra, job.route.accelerators)
     assert (
         shown["labels"] == job.labels and shown["injected_env"] == job.pool_env and shown["policy"] == list(job.notes)

@@ -28,7 +28,7 @@ def _closed_port() -> int:
 def test_task_carries_env_secrets_infra_labels_and_nodes():
     request = LaunchRequest(
         spec=load_spec("train"),
-        inputs={"OUTPUT_URI": "s3://transit/checkpoints/x"},
+        inputs={"DATASET_URI": "s3://transit/datasets/d.parquet", "OUTPUT_URI": "s3://transit/checkpoints/x"},
         secrets={"AWS_SECRET_ACCESS_KEY": "secret-value"},
         cost_owner="ml-research",
         asset="training_run",

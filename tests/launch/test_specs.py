@@ -7,7 +7,7 @@ import yaml
 
 from gpudoor_pipelines.launch.errors import LaunchConfigError
 from gpudoor_pipelines.launch.resolve.specs import load_spec, parse_accelerators, validate_with_skypilot
-from tests.conftest import SPECS_DIR
+from tests.conftest import SPECS_DIR, given_inputs
 
 SPECS = ["caption", "train", "eval", "smoke", "demo"]
 
@@ -17,9 +17,15 @@ def test_shipped_specs_load_with_skypilot(name):
     import sky
 
     spec = load_spec(name)
-    task = sky.Task.from_yaml(spec.path)
+    config = yaml.safe_load(open(spec.path))
+    inputs = given_inputs(spec)
+    if inputs:  # SkyPilot's own reading of `NAME: null`: it must be given (`sky launch --env NAME=...`)
+        with pytest.raises(ValueError, match=f"Environment variable '{sorted(inputs)[0]}' is None|is None"):
+            sky.Task.from_yaml_config(dict(config))
+    task = sky.Task.from_yaml_config(config, env_overrides=list(inputs.items()))
     assert task.name == spec.name
     assert task.num_nodes == spec.num_nodes
+    assert all(task.envs[k] == v for k, v in inputs.items())
     validate_with_skypilot(spec.config, spec.path)
 
 

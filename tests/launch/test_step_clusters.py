@@ -19,7 +19,7 @@ from gpudoor_pipelines.launch.backends.step_clusters import MAX_RELAUNCHES
 from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
 from gpudoor_pipelines.launch.errors import LaunchConfigError
 from gpudoor_pipelines.launch.resolve.fleet import load_fleet
-from tests.conftest import SPECS_DIR
+from tests.conftest import SPECS_DIR, given_inputs
 from tests.launch import test_client_on_fake_skypilot as on_fake
 from tests.launch.test_client_on_fake_skypilot import _client
 
@@ -140,10 +140,16 @@ def test_launches_outside_a_dagster_run_and_services_are_never_step_clusters(tmp
 
     fleet = load_fleet(_fleet(tmp_path, smoke="cluster"))
     run = {"dagster/run-id": "0123abcd-run"}
-    assert resolve(LaunchRequest(spec=load_spec("smoke"), step="smoke", dagster=run), fleet).launch_as == "cluster"
+    smoke, train = load_spec("smoke"), load_spec("train")
+    inputs = given_inputs(smoke)
+
+    def launch_as(spec, **request) -> str:
+        return resolve(LaunchRequest(spec=spec, inputs=inputs, step=spec.kind, **request), fleet).launch_as
+
+    assert launch_as(smoke, dagster=run) == "cluster"
     # An agent or a person launching: no step to tear the cluster down, no run for the reconciler to judge.
-    assert resolve(LaunchRequest(spec=load_spec("smoke"), step="smoke"), fleet).launch_as == "managed"
-    assert resolve(LaunchRequest(spec=load_spec("train"), step="train", dagster=run), fleet).launch_as == "managed"
+    assert launch_as(smoke) == "managed"
+    assert launch_as(train, dagster=run) == "managed"
 
 
 def test_launch_as_names_a_step_the_fleet_routes(tmp_path):

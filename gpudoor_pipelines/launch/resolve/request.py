@@ -97,6 +97,8 @@ class LaunchRequest:
             what the task needs (or by the task's own ``gpudoor-step`` label).
         ttl_hours: an interactive cluster's own time to live (else the task's ``gpudoor-ttl-hours``
             label, else the fleet's); the orphan reconciler tears it down after it.
+        batch_input: the input naming a batch file whose entries give each job of a batch its own inputs
+            (a packed run): the task's required envs are then the batch's to give, not one value for all.
     """
 
     spec: TaskSpec
@@ -115,6 +117,7 @@ class LaunchRequest:
     cluster_name: str | None = None
     step: str | None = None
     ttl_hours: float | None = None
+    batch_input: str | None = None
 
     @property
     def run_id(self) -> str | None:
@@ -166,6 +169,7 @@ def resolve(request: LaunchRequest, fleet: Fleet, *, usage: Usage | None = None)
                     f"use one of {sorted(spec.envs)} or declare it under envs in {spec.path}",
                 )
             )
+    problems += missing_inputs(request)
     own = LaunchContext.from_labels(
         {str(k): str(v) for k, v in ((spec.config.get("resources") or {}).get("labels") or {}).items()}
     )
@@ -232,6 +236,24 @@ def resolve(request: LaunchRequest, fleet: Fleet, *, usage: Usage | None = None)
         spec_path=spec.path,
         launch_as=_launch_as(request, fleet, step, identity),
     )
+
+
+def missing_inputs(request: LaunchRequest) -> list[LaunchConfigError]:
+    """The task's required envs (``envs: {NAME: null}``) this launch gives no value for (an empty one counts)."""
+    if request.batch_input:  # a packed run: each job's entries of the batch file are its inputs
+        return []
+    given = {**request.inputs, **request.env}
+    return [
+        LaunchConfigError(
+            request.spec.path,
+            f"envs.{name}",
+            f"the task needs {name} (declared with no value) and this launch gives none",
+            f"give it: `--env {name}=VALUE` (gpudoor launch, gpudoor where), or `env: {{{name}: VALUE}}` in the "
+            "launch's run config",
+        )
+        for name in request.spec.required
+        if name not in given
+    ]
 
 
 def _launch_as(request: LaunchRequest, fleet: Fleet, step: str | None, identity: dict[str, str]) -> str:

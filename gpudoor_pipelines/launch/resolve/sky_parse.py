@@ -118,9 +118,15 @@ def _candidate_key(c: Candidate) -> tuple[Any, ...]:
 def validate_with_skypilot(config: dict[str, Any], source: str) -> None:
     """Builds a ``sky.Task`` from the spec with SkyPilot's own parser (imports ``sky`` lazily).
 
+    An input declared with no value (``envs: {NAME: null}``) is read as given: each launch gives it (and is
+    refused without it, by name); SkyPilot, reading the file alone, would refuse it as unset.
+
     Raises:
         LaunchConfigError: with SkyPilot's message, naming the file.
     """
+    envs = config.get("envs")
+    if isinstance(envs, dict) and None in envs.values():
+        config = {**config, "envs": {k: "" if v is None else v for k, v in envs.items()}}
     _kept("task", config, lambda: _read_task(config, source))
 
 

@@ -92,6 +92,12 @@ class TaskSpec:
         return {str(k): "" if v is None else str(v) for k, v in (self.config.get("envs") or {}).items()}
 
     @property
+    def required(self) -> tuple[str, ...]:
+        """The inputs a launch must give: declared the SkyPilot way, with no value (``envs: {NAME: null}``)."""
+        envs = self.config.get("envs")
+        return tuple(str(k) for k, v in envs.items() if v is None) if isinstance(envs, dict) else ()
+
+    @property
     def accelerators(self) -> dict[str, int]:
         """GPU candidates: type → count per node (any one of them satisfies the job)."""
         return parse_accelerators(self.config.get("resources", {}).get("accelerators"), self.path)
