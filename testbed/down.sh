@@ -48,19 +48,27 @@ if [[ -f "$BED_RUN/slurmctld.pid" ]] && pid_alive "$BED_RUN/slurmctld.pid"; then
   fi
 fi
 
-log "stopping SkyPilot API server"
-stop_pidfile "$BED_RUN/api-server.pid" 1
-rm -f "$BED_RUN/api-server.fingerprint" "$BED_RUN/api-server.ready"
+# The server and every process it spawned (its workers, the job controllers, in sessions of their own) are asked to
+# stop at once, and waited for together: the server's own shutdown waits on its workers.
+left="$(marked_pids | tr '\n' ' ')"
+log "stopping SkyPilot API server and its processes: $left"
+if pid_alive "$BED_RUN/api-server.pid"; then
+  kill -TERM -- "-$({ tr -dc 0-9 <"$BED_RUN/api-server.pid"; } 2>/dev/null)" 2>/dev/null || true
+fi
+# shellcheck disable=SC2086
+[[ -n "${left// /}" ]] && kill -TERM $left 2>/dev/null
+for _ in $(seq 1 40); do
+  pid_alive "$BED_RUN/api-server.pid" || break
+  sleep 0.25
+done
+stop_pidfile "$BED_RUN/api-server.pid" 1  # KILLs it if it is still there
 left="$(marked_pids | tr '\n' ' ')"
 if [[ -n "${left// /}" ]]; then
-  log "stopping leftover API-server processes: $left"
+  log "killing API-server processes that did not stop: $left"
   # shellcheck disable=SC2086
-  kill -TERM $left 2>/dev/null || true
-  sleep 2
-  left="$(marked_pids | tr '\n' ' ')"
-  # shellcheck disable=SC2086
-  [[ -n "${left// /}" ]] && kill -KILL $left 2>/dev/null || true
+  kill -KILL $left 2>/dev/null || true
 fi
+rm -f "$BED_RUN/api-server.fingerprint" "$BED_RUN/api-server.ready"
 
 log "stopping probe server, sshd"
 stop_pidfile "$BED_RUN/probe.pid" 1
