@@ -287,7 +287,7 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
             ended_at=time.time(),
             ran_s=None if watched.moved else info.ran_s,
         )
-        if cost.preemptions:
+        if cost.recoveries:
             context.log.warning(cost.summary(job_id))
         launched_as = launcher.backend.holding_of(job_id).kind
         return SkyPilotInvocation(

@@ -74,6 +74,9 @@ def test_a_job_seen_recovering_but_never_seen_running_still_counts_a_recovery():
     timeline = _timeline((0, P, 0), (40, REC, 0), (45, P, 0), (60, R, 0), (90, OK, 0))
     cost = preemption_cost(timeline, [], gpus=1, ended_at=91)
     assert cost.recoveries == 1 and cost.to_metadata()["recoveries"] == 1
+    # The step says so, though it cannot say what the preemption lost.
+    said = cost.summary("7")
+    assert said.startswith("Job 7 was preempted 1 time(s) and recovered") and "1 before the step saw" in said
 
 
 def test_a_job_waiting_for_new_gpus_between_recovering_and_pending_counts_one_recovery():

@@ -92,9 +92,10 @@ class PreemptionCost:
         return (self.held_s - self.lost_s) / self.held_s if self.held_s > 0 else 1.0
 
     def summary(self, job_id: str) -> str:
-        """What the preemptions of job ``job_id`` cost, in words: one line, then one per preemption."""
+        """What the preemptions of job ``job_id`` cost, in words: one line, then one per preemption (those the
+        step never saw the job run before are counted, but not what they lost)."""
         lines = [
-            f"Job {job_id} was preempted {len(self.preemptions)} time(s) and recovered: "
+            f"Job {job_id} was preempted {self.recoveries} time(s) and recovered: "
             f"{self.gpu_hours_lost:.3f} of {self.gpu_hours_held:.3f} GPU-hours held were lost (goodput "
             f"{self.goodput:.1%})."
         ]
@@ -106,6 +107,8 @@ class PreemptionCost:
             )
             seen = time.strftime("%H:%M:%S", time.localtime(p.seen_at))
             lines.append(f"- preempted (seen) at {seen}, {saved}: {p.lost_s:.0f} s of work lost")
+        if (unseen := self.recoveries - len(self.preemptions)) > 0:
+            lines.append(f"- {unseen} before the step saw the job run: what it ran then is not counted")
         return "\n".join(lines)
 
     def to_metadata(self) -> dict[str, Any]:
