@@ -122,10 +122,10 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
     cost_owner: str | None = Field(default=None, description="Cost owner label for every job.")
     user: str | None = Field(default=None, description="Who launches (labels, per-user caps).")
     poll_interval_s: float = Field(
-        default=0.5, description="Seconds to a job's first status poll and after each change."
+        default=0.5, description="Seconds to a job's first status poll and after it enters recovery."
     )
     max_poll_interval_s: float = Field(
-        default=20.0, description="Longest wait between status polls of an unchanged job on SkyPilot."
+        default=20.0, description="Longest wait between status polls of a job on SkyPilot (a log's end: at once)."
     )
     cancel_timeout_s: float = Field(default=180.0, description="Bound on waiting for a release to be confirmed.")
     forward_termination: bool = Field(default=True, description="Cancel the job when the run is terminated.")

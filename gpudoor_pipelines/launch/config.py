@@ -26,8 +26,8 @@ class LaunchSettings:
         local_home: state folder of the local backend (default ``$GPUDOOR_HOME`` or ``~/.gpudoor``).
         cost_owner: who pays for jobs whose task file names no cost owner (default: the fleet's).
         user: who launches (labels, per-user caps); default: the service account, else the OS user.
-        poll_interval_s: seconds to a job's first status poll and after each change; also how often
-            log lines are handed over.
+        poll_interval_s: seconds to a job's first status poll and after it enters recovery; also how
+            often log lines are handed over.
         max_poll_interval_s: where status requests go to a server, polls of an unchanged job back off,
             doubling, up to this.
         cancel_timeout_s: how long a release is looked at before it is reported not confirmed.

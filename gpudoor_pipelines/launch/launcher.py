@@ -250,7 +250,9 @@ class Launcher:
                             continue
                         timelines[job_id].see(time.time(), info)
                         if previous.get(job_id) is None or previous[job_id].state is not info.state:
-                            changed = True
+                            # Only a recovery is followed closely (its next states come soon, and a move may be
+                            # due): a job launching or running changes next when it ends, which its log's end cues.
+                            changed = changed or info.state is JobState.RECOVERING
                             hooks.state(job_id, info)
                             if info.state is JobState.RECOVERING and movable is not None:
                                 new = self._move(moved[-1] if moved else movable[0], job_id, movable[1], hooks)

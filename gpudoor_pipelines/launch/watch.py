@@ -5,9 +5,10 @@ end gives it and the :class:`Watched` it returns). Asked naively (one status req
 half second), 200 steps make about 400 requests a second to one SkyPilot API server. Two things keep
 that down, and neither delays noticing the end of a job:
 
-- :class:`Backoff`: a job is asked about at ``first`` seconds, then less and less often while
-  nothing changes, up to ``most`` seconds (tens of seconds on SkyPilot). Its log stream ending is the
-  cue to ask again at once: a job's log ends when the job does.
+- :class:`Backoff`: a job is asked about at ``first`` seconds, then less and less often, up to
+  ``most`` seconds (tens of seconds on SkyPilot), until it enters recovery (its next states come soon).
+  Its log stream ending is the cue to ask again at once: a job's log ends when the job does. A job
+  going from pending to launching to running is not followed closer for it: what it does next is end.
 - :class:`StatusHub`: one per process and backend. Whoever's turn it is asks about every job the
   process watches in one request (``Backend.statuses``); the others take the answer when it is
   fresh enough. Fifty steps of one run (threads of one process) make one request, not fifty.

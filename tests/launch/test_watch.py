@@ -127,3 +127,43 @@ def test_a_job_is_looked_at_no_sooner_than_its_backend_can_change_it_and_its_end
     assert backend.requests <= 6, backend.requests
     assert seen_end - backend.jobs["a"][1] < 0.5
     assert lines == [f"a: second {i}" for i in range(4)]
+
+
+class _Phased(TimedBackend):
+    """A job that waits (PENDING), launches (STARTING), runs, is preempted and recovers, then ends, at set times;
+    ``looks`` keeps when each look came and what it saw."""
+
+    PHASES = ((0.5, JobState.PENDING), (1.5, JobState.STARTING), (3.0, JobState.RUNNING), (3.6, JobState.RECOVERING))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.looks: list[tuple[float, JobState]] = []
+
+    def _info(self, job_id: str) -> JobInfo:
+        info = super()._info(job_id)
+        start = self.jobs[job_id][0]
+        if not info.state.is_terminal:
+            elapsed = time.monotonic() - start
+            state = next((s for until, s in self.PHASES if elapsed < until), JobState.RUNNING)
+            info = JobInfo(job_id=job_id, state=state)
+        self.looks.append((time.monotonic() - start, info.state))
+        return info
+
+
+def test_a_job_is_followed_closely_only_when_it_recovers_and_its_end_is_seen_at_once():
+    """A job going from waiting to launching to running is not asked about again sooner for each step (on
+    SkyPilot, every look is a process on the API server): what it does next is end, which its log's end cues.
+    A job that enters recovery is: its next states come soon, and a move to another pool may be due."""
+    backend = _Phased()
+    backend.add("a", 6.0)
+    settings = LaunchSettings(poll_interval_s=0.1, max_poll_interval_s=1.6)
+    watched = Launcher(backend, load_fleet(), settings).wait(["a"])
+    seen_end = time.monotonic()
+    assert watched.infos["a"].state is JobState.SUCCEEDED and seen_end - backend.jobs["a"][1] < 0.5
+    before = [at for at, state in backend.looks if at < 3.0]
+    # Doubling from 0.1 s without a restart at each step: 0.1, 0.3, 0.7, 1.5 (restarting at each step, as every
+    # change did, made 10 looks by then).
+    assert len(before) <= 4, backend.looks
+    recovering = next(at for at, state in backend.looks if state is JobState.RECOVERING)
+    after = [at for at, _ in backend.looks if at > recovering]
+    assert after and after[0] - recovering < 0.3, backend.looks  # the next look comes at the short interval
