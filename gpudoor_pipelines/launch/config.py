@@ -28,8 +28,8 @@ class LaunchSettings:
         user: who launches (labels, per-user caps); default: the service account, else the OS user.
         poll_interval_s: seconds to a job's first status poll and after it enters recovery; also how
             often log lines are handed over.
-        max_poll_interval_s: where status requests go to a server, polls of an unchanged job back off,
-            doubling, up to this.
+        max_poll_interval_s: where status requests go to a server, polls back off, doubling, up to this
+            (a job entering recovery starts them again at ``poll_interval_s``).
         cancel_timeout_s: how long a release is looked at before it is reported not confirmed.
         max_log_streams: how many jobs of a batch stream their logs at once.
         validate_with_skypilot: also parse every spec with ``sky.Task`` (once per file version).
