@@ -40,11 +40,16 @@ with open_dagster_pipes(**kwargs) as pipes:
 def pipes_transit(request, tmp_path) -> TransitBucketResource:
     if request.param == "local":
         return TransitBucketResource(kind="local", local_root=str(tmp_path / "transit"))
+    return _s3_transit(request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket_name"))
+
+
+def _s3_transit(endpoint: str, bucket: str) -> TransitBucketResource:
+    """The transit bucket on the test S3 server, under ``transit/``."""
     return TransitBucketResource(
         kind="s3",
-        bucket=request.getfixturevalue("s3_bucket_name"),
+        bucket=bucket,
         prefix="transit",
-        endpoint_url=request.getfixturevalue("s3_server"),
+        endpoint_url=endpoint,
         region=TEST_REGION,
         access_key_id=TEST_KEY_ID,
         secret_access_key=TEST_SECRET,
@@ -110,15 +115,7 @@ with open_reporting() as pipes:
 
 @pytest.mark.s3
 def test_messages_of_a_job_recovered_after_preemption_all_arrive(s3_server, s3_bucket_name):
-    transit = TransitBucketResource(
-        kind="s3",
-        bucket=s3_bucket_name,
-        prefix="transit",
-        endpoint_url=s3_server,
-        region=TEST_REGION,
-        access_key_id=TEST_KEY_ID,
-        secret_access_key=TEST_SECRET,
-    )
+    transit = _s3_transit(s3_server, s3_bucket_name)
     received = []
 
     @dg.asset
@@ -175,15 +172,7 @@ def test_a_job_that_never_says_goodbye_ends_its_session_at_once_with_every_messa
     """A plain script or a crashed job sends no closed message: once it has ended, the reader looks at the
     bucket once more and is done (the stock reader kept looking for ten seconds), and what the job wrote
     before it died still arrives."""
-    transit = TransitBucketResource(
-        kind="s3",
-        bucket=s3_bucket_name,
-        prefix="transit",
-        endpoint_url=s3_server,
-        region=TEST_REGION,
-        access_key_id=TEST_KEY_ID,
-        secret_access_key=TEST_SECRET,
-    )
+    transit = _s3_transit(s3_server, s3_bucket_name)
     bucket = transit.get_bucket()
     # Never looks on its own while the job runs: the message can only arrive through the look after the end.
     reader = pipes_message_reader(bucket, interval=600)
