@@ -712,12 +712,22 @@ def test_api_server_loads_the_policy_without_dagster():
         import os
         fleet = load_fleet(os.environ["GPUDOOR_FLEET_FILE"])
         loaded = type(policy).__module__ + "." + type(policy).__name__
-        print(json.dumps({"policy": loaded, "pools": sorted(fleet.pools)}))
+        # The server's plugins file, loaded by SkyPilot's own loader as a request executor loads it.
+        from sky.jobs import runner
+        from sky.server import plugins
+        plugins.load_plugins(plugins.ExtensionContext(context=plugins.PluginContext.EXECUTOR))
+        jobs_runner = type(runner.current()).__module__ + "." + type(runner.current()).__name__
+        print(json.dumps({"policy": loaded, "pools": sorted(fleet.pools), "jobs_runner": jobs_runner}))
         """,
-        {"GPUDOOR_FLEET_FILE": str(PROJECT_ROOT / "task_specs" / "fleet.yaml")},
+        {
+            "GPUDOOR_FLEET_FILE": str(PROJECT_ROOT / "task_specs" / "fleet.yaml"),
+            "SKYPILOT_SERVER_PLUGINS_CONFIG": str(PROJECT_ROOT / "deploy" / "skypilot" / "plugins.yaml"),
+        },
     )
     assert result["policy"] == _load(SKY_CONFIG)["admin_policy"]
     assert result["pools"] == ["h200", "inference", "ondemand", "onprem"]
+    # The server's plugin loads without them too: the jobs table is read in the request's process.
+    assert result["jobs_runner"] == "gpudoor_pipelines.launch.server.plugin.InProcessJobTable"
 
 
 def test_with_postgres_skypilot_keeps_its_config_in_the_database(tmp_path):

@@ -45,8 +45,8 @@ class SkyPilotBackend(Backend):
     remote_status = True
     #: SkyPilot's jobs controller looks at a starting job every 5 s and at a running one every 15 s
     #: (``sky.jobs.utils``), so a state cannot change faster; and each look at the queue costs the API
-    #: server a Python process (about 1.5 CPU-s in consolidation mode). Looks at 0.5 s, 1 s, 2 s after a
-    #: change would only repeat the last answer.
+    #: server a Python process (about 1.5 CPU-s in consolidation mode; 0.15 with the server's plugin,
+    #: ``launch/server/plugin.py``). Looks at 0.5 s, 1 s, 2 s after a change would only repeat the last answer.
     status_granularity_s = 5.0
     #: How long a read of what the team's jobs hold (``usage``) is reused by this process: the full
     #: queue is the heaviest request a launch makes. This process's own submits and cancels drop it.
