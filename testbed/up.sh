@@ -12,6 +12,7 @@
 #   GPUDOOR_TESTBED_LOG_DIR       logs                           (default $ROOT/log)
 #   GPUDOOR_TESTBED_API_PORT      API server port                (default 46590)
 #   GPUDOOR_TESTBED_ADMIN_POLICY  module.Class -> `admin_policy:` in the server config
+#   GPUDOOR_TESTBED_PLUGINS       the server's plugins file (SKYPILOT_SERVER_PLUGINS_CONFIG)
 #   GPUDOOR_TESTBED_READY_TIMEOUT seconds to wait for SkyPilot to see both partitions (default 240)
 # Writes testbed/.state/env (exports for clients) and prints it.
 # The whole script is one function, parsed before it runs: editing the file while it runs
@@ -427,9 +428,14 @@ SERVER_ENV=(
   NO_PROXY=127.0.0.1,localhost
   no_proxy=127.0.0.1,localhost
 )
+if [[ -n "${GPUDOOR_TESTBED_PLUGINS:-}" ]]; then
+  # The server's plugins (deploy/skypilot/plugins.yaml: the managed-jobs table read in the request's process).
+  SERVER_ENV+=(SKYPILOT_SERVER_PLUGINS_CONFIG="$GPUDOOR_TESTBED_PLUGINS")
+fi
 # Restart the server when anything it reads at start-up changed.
 SERVER_FINGERPRINT="$(cat "$SERVER_CONFIG" "$BED_HOME/.slurm/config" "$SLURM_CONF_DIR/slurm.conf" \
-  "$SLURM_CONF_DIR/gres.conf" "$SITE_PACKAGES/gpudoor_testbed_probe.py" <(printf '%s\n' "${SERVER_ENV[@]}") \
+  "$SLURM_CONF_DIR/gres.conf" "$SITE_PACKAGES/gpudoor_testbed_probe.py" ${GPUDOOR_TESTBED_PLUGINS:+"$GPUDOOR_TESTBED_PLUGINS"} \
+  <(printf '%s\n' "${SERVER_ENV[@]}") \
   | sha256sum | cut -d' ' -f1)"
 server_healthy() { curl -fsS --max-time 5 "$API_ENDPOINT/api/health" >/dev/null 2>&1; }
 SERVER_READY=0

@@ -120,9 +120,15 @@ def night(testbed, s3_server, tmp_path_factory) -> Night:
                 },
                 run_config={"ops": {"caption_shards": {"config": config}}},
             )
-        # The pool was given back when the run ended (pool_down returns while the workers shut down).
+        # The pool was given back when the run ended. pool_down returns once it has signalled the pool's
+        # controller, which starts shutting the workers down within seconds: look until it has.
         pool = f"gpudoor-caption-{result.run_id[:8]}"
-        left = [p for p in sky.get(sky.jobs.pool_status(None)) if p["name"] == pool]
+        deadline = time.monotonic() + 60
+        while True:
+            left = [p for p in sky.get(sky.jobs.pool_status(None)) if p["name"] == pool]
+            if all(str(p["status"].value) == "SHUTTING_DOWN" for p in left) or time.monotonic() > deadline:
+                break
+            time.sleep(1)
     return Night(
         instance=instance,
         transit=transit,
