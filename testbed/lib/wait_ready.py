@@ -9,12 +9,17 @@ SkyPilot Python SDK only:
   4. ``sky.optimize`` finds a placement for each of them (an admin policy refusing the bare
      probe task counts as an answer).
 
+Before that, once the server answers: a warm pool the previous server was shutting down when it was
+stopped stays SHUTTING_DOWN for good (its controller process died with that server) and takes the
+server's only pool slot; it is purged (``sky.jobs.pool_down(purge=True)``, SkyPilot's own way out).
+
 Usage: python wait_ready.py --timeout 180 slurm/gpudoor-bed/onprem=L4:1 slurm/gpudoor-bed/h200=H200:1
 Exit status 0 when everything is usable, 1 otherwise (reason on stderr).
 """
 
 import argparse
 import io
+import os
 import re
 import sys
 import time
@@ -57,6 +62,10 @@ def main() -> int:
 
     info = _retry("API server health", _health, deadline, pause=1.0)
     _log(f"API server healthy (version {getattr(info, 'version', '?')}) after {time.time() - t0:.1f}s")
+    for pool in sdk.get(sky.jobs.pool_status(None)):
+        if str(pool["status"].value) == "SHUTTING_DOWN" and not _alive(pool.get("controller_pid")):
+            sdk.get(sky.jobs.pool_down(pool["name"], purge=True))
+            _log(f"purged warm pool {pool['name']}: left shutting down by the previous server")
 
     def _check():
         result = sdk.get(sdk.check(("slurm",), verbose=False))
@@ -121,6 +130,19 @@ def main() -> int:
         best = _retry(f"placement {accelerators} on {infra}", _optimize, deadline)
         _log(f"{infra} usable for {accelerators}: {best} ({time.time() - t0:.1f}s)")
     return 0
+
+
+def _alive(pid) -> bool:
+    """Whether process ``pid`` of this machine runs (the consolidated controllers are the server's)."""
+    if not pid:
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _dag_of(task):
