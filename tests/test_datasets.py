@@ -107,6 +107,66 @@ def test_parquet_table_resolves_relative_entries(tmp_path):
         "not an image extension ('.md')",
     ]
     assert listing.skipped[1][0] == _uri(tables / "list.parquet") + "#row=4"
+    # Ids: the path below the table's folder; an image outside it is known by its whole URI.
+    assert [listing.id_of(u) for u in listing.images] == [_uri(elsewhere), "imgs/1.png", "s3://team-data/imgs/9.tif"]
+
+
+def test_same_file_names_in_different_folders_get_ids_of_their_own(tmp_path, bucket):
+    """The image's path below the source is its id: unique, and the same when the folder is registered again."""
+    root = tmp_path / "mine"
+    names = ["batch-00/nested/img 00000.webp", "more/batch-00/nested/img 00000.webp", "img 00000.webp"]
+    for name in names:
+        _file(root / name)
+    listing = list_images(str(root))
+    assert sorted(listing.id_of(u) for u in listing.images) == sorted(names)
+    reg = register_dataset(bucket, "mine", listing, shard_size=2)
+    manifests = [bucket.read_manifest(shard_prefix("mine", s)) for s in reg.shards]
+    assert sorted(i for m in manifests for i in m["ids"]) == sorted(names)
+    assert all(m["images"] == [_uri(root / i) for i in m["ids"]] for m in manifests)
+    index = pd.read_parquet(bucket.path_of(index_key("mine")))
+    assert sorted(index.image_id) == sorted(names) and index.image_id.is_unique
+    _file(root / "later/img 00000.webp")  # registered again, with one new image of the same name
+    again = register_dataset(bucket, "mine", list_images(str(root)), shard_size=2)
+    assert bucket.read_manifest(shard_prefix("mine", again.new_shards[0]))["ids"] == ["later/img 00000.webp"]
+    index = pd.read_parquet(bucket.path_of(index_key("mine")))
+    assert sorted(index.image_id) == sorted([*names, "later/img 00000.webp"])
+
+
+def test_a_table_gives_its_own_ids_and_an_empty_or_repeated_one_is_skipped(tmp_path, bucket):
+    _file(tmp_path / "t/a.png")
+    (tmp_path / "t/list.csv").write_text("image_id,path\nsku-1,a.png\n,b.png\nsku-1,c.png\nsku-4,d.png\n")
+    listing = list_images(str(tmp_path / "t/list.csv"))
+    assert {listing.id_of(u): u.rsplit("/", 1)[1] for u in listing.images} == {"sku-1": "a.png", "sku-4": "d.png"}
+    reasons = sorted(reason for _, reason in listing.skipped)
+    assert reasons == ["empty id cell (row 1)", "id 'sku-1' also given in row 0"]
+    register_dataset(bucket, "skus", listing, shard_size=10)
+    # A later table giving a new image an id the dataset already has is refused, naming it and the fix.
+    (tmp_path / "t/list.csv").write_text("image_id,path\nsku-1,a.png\nsku-4,e.png\n")
+    with pytest.raises(ValueError, match=r"1 new images have ids an image of the dataset already has: 'sku-4'.*Fix"):
+        register_dataset(bucket, "skus", list_images(str(tmp_path / "t/list.csv")), shard_size=10)
+
+
+def test_a_dataset_registered_before_ids_were_recorded_keeps_its_ids(bucket):
+    """Its index has no image_id column and its shards no ids: its captions were written with the file stems,
+    and a new registration keeps those for its images and gives the new ones their paths."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    old = [f"file:///data/old/{i}.png" for i in range(3)]
+    bucket.publish(
+        shard_prefix("legacy", "legacy-00000"),
+        {"dataset": "legacy", "shard": "legacy-00000", "count": 3, "images": old},
+    )
+    table = pa.table({"image_uri": old, "shard": ["legacy-00000"] * 3})
+    buffer = pa.BufferOutputStream()
+    pq.write_table(table, buffer)
+    bucket.put_bytes(index_key("legacy"), buffer.getvalue().to_pybytes())
+    listing = SourceListing(images=[*old, "file:///data/new/0.png"], source="file:///data")
+    reg = register_dataset(bucket, "legacy", listing, shard_size=3)
+    assert reg.shards == ["legacy-00000", "legacy-00001"] and reg.images_new == 1
+    assert bucket.read_manifest(shard_prefix("legacy", "legacy-00001"))["ids"] == ["new/0.png"]
+    index = pd.read_parquet(bucket.path_of(index_key("legacy")))
+    assert list(index.image_id) == ["0", "1", "2", "new/0.png"]
 
 
 def test_csv_table_with_a_path_column(tmp_path):
@@ -183,9 +243,10 @@ def test_registration_shards_and_index(bucket):
     assert (reg.images_total, reg.images_new, reg.images_missing, reg.shard_size) == (10, 10, 0, 4)
     assert reg.index_uri == bucket.uri("datasets/pets/index.parquet")
     manifest = bucket.read_manifest("datasets/pets/shards/pets-00001")
-    assert manifest == {"dataset": "pets", "shard": "pets-00001", "count": 4, "images": images[4:8]}
+    # A listing without a source folder: each image is known by its whole URI.
+    assert manifest == {"dataset": "pets", "shard": "pets-00001", "count": 4, "images": images[4:8], "ids": images[4:8]}
     index = pd.read_parquet(bucket.path_of(index_key("pets")))
-    assert list(index.columns) == ["image_uri", "shard"]
+    assert list(index.columns) == ["image_uri", "shard", "image_id"]
     assert dict(zip(index.image_uri, index.shard, strict=True))[images[9]] == "pets-00002"
 
 

@@ -11,7 +11,9 @@ Environment:
     WORKLOAD_THROTTLE_S: seconds to pause after each image (default 0); lets tests and demos
         interrupt a run midway.
 
-A shard folder holds ``_manifest.json``, ``{"dataset", "shard", "count", "images": [image URI, ...]}``.
+A shard folder holds ``_manifest.json``, ``{"dataset", "shard", "count", "images": [image URI, ...],
+"ids": [image id, ...]}`` (``ids`` in the order of ``images``; a shard registered before ids were recorded has
+none, and its images' ids are their file stems).
 Its captions go to ``output_uri`` as ``part-00000.parquet``, ``part-00001.parquet``, ... (columns
 ``image_uri``, ``image_id``, ``caption``, ``model``, ``error``), each part one object written whole; once
 every image is in a part, ``_manifest.json`` ``{"shard", "model", "count", "captioned", "skipped",
@@ -212,15 +214,16 @@ class Job:
             self._caption = load_captioner(self.settings.model)
         return self._caption
 
-    def caption_images(self, uris: list[str]) -> list[CaptionRow]:
-        """Caption ``uris`` in order, reading ahead in the pool while the captioner works."""
+    def caption_images(self, uris: list[str], ids: dict[str, str]) -> list[CaptionRow]:
+        """Caption ``uris`` in order, reading ahead in the pool while the captioner works; ``ids`` gives
+        each image's id (an image missing from it: its file stem)."""
         caption_png = self.captioner()
         rows = []
         for uri, (png, error) in zip(uris, self.pool.map(_read_image, uris), strict=True):
             caption = None
             if png is not None:
                 caption, error = caption_png(png)
-            rows.append(CaptionRow(uri, caption, self.settings.model, error))
+            rows.append(CaptionRow(uri, caption, self.settings.model, error, ids.get(uri)))
             if self.settings.throttle_s:
                 time.sleep(self.settings.throttle_s)
         return rows
@@ -272,11 +275,12 @@ class ShardProgress:
         return message
 
 
-def read_shard_images(shard_uri: str) -> list[str]:
-    """The image URIs listed by a shard's manifest, each once, in order.
+def read_shard_images(shard_uri: str) -> tuple[list[str], dict[str, str]]:
+    """The image URIs listed by a shard's manifest, each once, in order, and their ids (URI -> id; empty for
+    a shard registered before ids were recorded).
 
     Raises:
-        ShardError: the manifest is missing, not JSON, or does not list images.
+        ShardError: the manifest is missing, not JSON, does not list images, or its ids do not match them.
     """
     uri = join(shard_uri, MANIFEST_NAME)
     try:
@@ -291,7 +295,13 @@ def read_shard_images(shard_uri: str) -> list[str]:
     count = manifest.get("count")
     if count is not None and count != len(images):
         raise ShardError(f"the shard manifest {uri} says count={count} but lists {len(images)} images")
-    return list(dict.fromkeys(images))  # an image listed twice is still captioned once
+    ids = manifest.get("ids")
+    if ids is not None and (
+        not isinstance(ids, list) or len(ids) != len(images) or not all(isinstance(i, str) and i for i in ids)
+    ):
+        raise ShardError(f"the shard manifest {uri} has {len(images)} images but not one id for each")
+    # An image listed twice is still captioned once.
+    return list(dict.fromkeys(images)), dict(zip(images, ids, strict=True)) if ids else {}
 
 
 def _published(output_uri: str) -> dict[str, Any] | None:
@@ -321,7 +331,7 @@ def _caption_shard(job: Job, progress: ShardProgress) -> tuple[str, str | None]:
         say(f"shard {task.shard}: already done")
         return "done", None
 
-    images = read_shard_images(task.shard_uri)
+    images, ids = read_shard_images(task.shard_uri)
     progress.total = len(images)
     done = read_done(task.output_uri, job.pool)
     progress.parts = done.parts
@@ -340,7 +350,7 @@ def _caption_shard(job: Job, progress: ShardProgress) -> tuple[str, str | None]:
             return "stopped", job.window_reason()
         job.captioner()  # loading it (seconds, once) is no part of the rate
         part_started = time.monotonic()
-        rows = job.caption_images(todo[first : first + step])
+        rows = job.caption_images(todo[first : first + step], ids)
         name = part_name(index)
         write_bytes(join(task.output_uri, name), part_bytes(rows))
         index += 1

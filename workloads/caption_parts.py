@@ -39,11 +39,9 @@ class CaptionRow:
     caption: str | None
     model: str
     error: str | None = None
-
-    @property
-    def image_id(self) -> str:
-        """The file stem of the image URI, e.g. ``img-00042``."""
-        return image_id_of(self.image_uri)
+    image_id: str | None = None
+    """The image's id in its dataset (the shard's manifest gives it); None: the file stem (:func:`image_id_of`),
+    as for a shard registered before ids were recorded."""
 
 
 @dataclass
@@ -64,7 +62,8 @@ class DoneImages:
 
 
 def image_id_of(uri: str) -> str:
-    """The file stem of an image URI: ``s3://b/x/img-00042.png`` -> ``img-00042``."""
+    """The file stem of an image URI, the id of an image whose shard gives none (registered before ids were
+    recorded): ``s3://b/x/img-00042.png`` -> ``img-00042``."""
     return posixpath.splitext(posixpath.basename(uri))[0]
 
 
@@ -96,7 +95,7 @@ def part_bytes(rows: Sequence[CaptionRow]) -> bytes:
     table = pa.table(
         {
             "image_uri": [r.image_uri for r in rows],
-            "image_id": [r.image_id for r in rows],
+            "image_id": [r.image_id or image_id_of(r.image_uri) for r in rows],
             "caption": [r.caption for r in rows],
             "model": [r.model for r in rows],
             "error": [r.error for r in rows],

@@ -14,6 +14,9 @@ from workloads.model import decode_pixels, pick_device
 
 # Distance from white (summed over channels) beyond which a pixel is ink, not background.
 _INK_THRESHOLD = 90.0
+# An image whose every pixel is this close to white (summed over channels) is blank: nothing to caption. A
+# pale image (nothing past the ink threshold, as (235, 252, 195)) is not: what it shows is what is not white.
+BLANK_TOLERANCE = 12.0
 _SQUARE_MIN_FILL = 0.9
 _CIRCLE_MIN_FILL = 0.65  # midway between a circle's pi/4 and a triangle's 1/2, with pixel edges
 
@@ -30,12 +33,19 @@ class ColorShapeCaptioner:
         """Return (colour, shape) for an (H, W, 3) uint8 image.
 
         Raises:
-            ValueError: the image is blank.
+            ValueError: the image is blank (every pixel within :data:`BLANK_TOLERANCE` of white), saying what
+                it measured.
         """
         x = pixels.to(self.device, torch.float32)
-        ink = (255.0 - x).sum(-1) > _INK_THRESHOLD
+        from_white = (255.0 - x).sum(-1)
+        ink = from_white > _INK_THRESHOLD
         if not bool(ink.any()):
-            raise ValueError("blank image: no non-white pixels")
+            ink = from_white > BLANK_TOLERANCE
+        if not bool(ink.any()):
+            raise ValueError(
+                f"blank image: every pixel is within {BLANK_TOLERANCE:g} of white (R+G+B below 255 each; "
+                f"the farthest is {float(from_white.max()):g})"
+            )
         # Every ink pixel votes for its nearest palette colour: robust to stray edge pixels.
         votes = torch.cdist(x[ink], self.palette).argmin(1)
         color = self.color_names[int(torch.bincount(votes, minlength=len(self.color_names)).argmax())]

@@ -63,9 +63,9 @@ def dataset_shards(
         check_dataset_name(config.name)
         source = config.source or write_synthetic(bucket, config.name, config.num_images, config.image_size)
         listing = list_images(source, bucket_for=resolver_for(bucket))
+        registration = register_dataset(bucket, config.name, listing, config.shard_size)
     except (DatasetSourceError, ValueError) as e:
         raise dg.Failure(description=f"Nothing was launched. run config dataset_shards: {e}") from None
-    registration = register_dataset(bucket, config.name, listing, config.shard_size)
     if registration.new_shards:
         context.instance.add_dynamic_partitions(SHARDS, registration.new_shards)
     skipped = listing.skipped_by_reason()

@@ -2,8 +2,13 @@
 
 A dataset source (:mod:`.sources`) is listed once by :func:`~.sources.list_images`; :func:`register_dataset`
 then assigns every new image to a shard and records the
-assignment in ``datasets/<dataset>/index.parquet``: an image keeps its shard forever, so a shard whose
-captions exist never changes, and a re-registration only writes the shards of new images.
+assignment in ``datasets/<dataset>/index.parquet``: an image keeps its shard and its id forever, so a shard
+whose captions exist never changes, and a re-registration only writes the shards of new images.
+
+An image's id (``image_id`` of the captions, and what the held-out split hashes) is unique in its dataset:
+its path below the source (``batch-00/nested/img 00000.webp``) or the table's own id. A dataset registered
+before ids were recorded keeps the ids its captions were written with (the file name's stem): its index has
+no ``image_id`` column, and those images get their stem as id when it is next registered.
 
 No Dagster: the orchestrator's assets, the CLI and the benchmarks call these functions directly.
 """
@@ -13,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import io
 import operator
+import posixpath
 import re
 from dataclasses import dataclass
 
@@ -25,7 +31,7 @@ from gpudoor_pipelines.transit.bucket import (
     TransitObjectMissing,
 )
 
-INDEX_COLUMNS = ("image_uri", "shard")
+INDEX_COLUMNS = ("image_uri", "shard", "image_id")
 DATASET_NAME = re.compile(r"[a-z0-9-]{1,40}")
 PUBLISH_WORKERS = 16
 """Shards published at once: a registration of 10,000 shards on S3 costs ~10,000 / 16 round trips."""
@@ -92,7 +98,8 @@ def register_dataset(bucket: TransitBucket, dataset: str, listing: SourceListing
     Known images keep their shard, whether or not they are still in the source. New images go, in
     sorted order, into new shards numbered after the last one; a partly filled last shard is not
     topped up, since its captions may already exist. Each new shard is published as the manifest
-    ``{"dataset", "shard", "count", "images"}`` of :func:`shard_prefix` (the images are not copied),
+    ``{"dataset", "shard", "count", "images", "ids"}`` of :func:`shard_prefix` (the images are not copied;
+    ``ids`` are the images' ids, in the same order),
     concurrently; the index is written last, so a registration that fails midway registers nothing:
     the next one publishes those shard keys again, from its own listing. With no new image, nothing is
     written.
@@ -104,7 +111,8 @@ def register_dataset(bucket: TransitBucket, dataset: str, listing: SourceListing
         shard_size: images per new shard.
 
     Raises:
-        ValueError: a bad dataset name or shard size, or an index that is not this module's.
+        ValueError: a bad dataset name or shard size, an index that is not this module's, or a new image
+            whose id an image of the dataset already has (a table's own ids).
     """
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -120,6 +128,16 @@ def register_dataset(bucket: TransitBucket, dataset: str, listing: SourceListing
     known = pc.is_in(pa.array(images, pa.string()), value_set=index["image_uri"])
     new_images = [image for image, seen in zip(images, known.to_pylist(), strict=True) if not seen]
     still_listed = len(images) - len(new_images)  # both lists are of unique URIs
+    new_ids = [listing.id_of(image) for image in new_images]
+    taken = pc.is_in(pa.array(new_ids, pa.string()), value_set=index["image_id"]).to_pylist()
+    if any(taken):
+        clashes = [f"{i!r} ({u})" for i, u, t in zip(new_ids, new_images, taken, strict=True) if t]
+        raise ValueError(
+            f"dataset {dataset!r}: {len(clashes)} new images have ids an image of the dataset already has: "
+            f"{', '.join(clashes[:5])}. Fix: give them ids of their own (the table's id column), or register "
+            "them under a new dataset name"
+        )
+    id_of = dict(zip(new_images, new_ids, strict=True))
     old_shards = sorted(pc.unique(index["shard"]).to_pylist(), key=lambda s: _shard_number(dataset, s))
     first = _shard_number(dataset, old_shards[-1]) + 1 if old_shards else 0
     new = {
@@ -130,7 +148,8 @@ def register_dataset(bucket: TransitBucket, dataset: str, listing: SourceListing
 
         def publish(item: tuple[str, list[str]]) -> str:
             shard, uris = item
-            manifest = {"dataset": dataset, "shard": shard, "count": len(uris), "images": uris}
+            ids = [id_of[uri] for uri in uris]
+            manifest = {"dataset": dataset, "shard": shard, "count": len(uris), "images": uris, "ids": ids}
             return bucket.publish(shard_prefix(dataset, shard), manifest)
 
         with concurrent.futures.ThreadPoolExecutor(min(PUBLISH_WORKERS, len(new))) as pool:
@@ -139,6 +158,7 @@ def register_dataset(bucket: TransitBucket, dataset: str, listing: SourceListing
             {
                 "image_uri": pa.array(new_images, pa.string()),
                 "shard": pa.array([s for s, uris in new.items() for _ in uris], pa.string()),
+                "image_id": pa.array(new_ids, pa.string()),
             }
         )
         buffer = io.BytesIO()
@@ -166,7 +186,11 @@ def _read_index(bucket: TransitBucket, dataset: str):  # -> pyarrow.Table (impor
     except TransitObjectMissing:
         return schema.empty_table()
     try:
-        return pq.read_table(pa.BufferReader(data), columns=list(INDEX_COLUMNS)).cast(schema)
+        table = pq.read_table(pa.BufferReader(data))
+        if "image_id" not in table.column_names:  # registered before ids were recorded: the stems it used
+            stems = [posixpath.splitext(posixpath.basename(u))[0] for u in table.column("image_uri").to_pylist()]
+            table = table.append_column("image_id", pa.array(stems, pa.string()))
+        return table.select(list(INDEX_COLUMNS)).cast(schema)
     except (pa.ArrowException, KeyError) as e:  # never re-shard over an index we cannot read
         raise ValueError(
             f"the index {bucket.uri(index_key(dataset))} is unreadable ({e}). Fix: restore it, or register "

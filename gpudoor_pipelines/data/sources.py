@@ -27,6 +27,8 @@ IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", 
 """File name extensions listed as images (compared case-insensitively)."""
 URI_COLUMNS = ("image_uri", "uri", "path")
 """Columns a table source may name its image URIs in, in order of preference."""
+ID_COLUMNS = ("image_id", "id")
+"""Columns a table source may give its images' own ids in, in order of preference."""
 TABLE_SUFFIXES = (".parquet", ".csv")
 BucketFor = Callable[[str], tuple[TransitBucket, str]]
 """Maps a URI to the bucket holding it and its key there, like :func:`bucket_for_uri`."""
@@ -69,15 +71,33 @@ class SourceListing:
         images: absolute image URIs (``file:///...`` or ``s3://...``), sorted, each once.
         skipped: (uri, reason) of every entry left out: hidden, empty, not an image, ...
         source: the source as an absolute URI.
+        ids: image URI -> the image's id, unique in the source: its path below the source's folder
+            (``batch-00/nested/img 00000.webp``; for a table, below the table's folder), or the table's
+            own id column (:data:`ID_COLUMNS`) when it has one. See :meth:`id_of`.
     """
 
     images: list[str]
     skipped: list[tuple[str, str]] = field(default_factory=list)
     source: str = ""
+    ids: dict[str, str] = field(default_factory=dict)
+
+    def id_of(self, uri: str) -> str:
+        """The id of image ``uri``: the listing's, else its path below the source's folder."""
+        return self.ids.get(uri) or path_id(uri, self.source)
 
     def skipped_by_reason(self) -> dict[str, int]:
         """How many entries were skipped for each reason (extensions grouped), most frequent first."""
         return dict(Counter(_reason_kind(reason) for _, reason in self.skipped).most_common())
+
+
+def path_id(uri: str, root: str) -> str:
+    """An image's id from where it is: its path below the folder ``root`` (a folder source, or the folder of
+    a table source), ``batch-00/nested/img 00000.webp``; the whole URI for an image outside it. Unique within
+    a source, and the same at every registration of it."""
+    root = root.rstrip("/")
+    if root.lower().endswith(TABLE_SUFFIXES):
+        root = posixpath.dirname(root)
+    return uri[len(root) + 1 :] if root and uri.startswith(root + "/") else uri
 
 
 def resolver_for(bucket: TransitBucket) -> BucketFor:
@@ -104,7 +124,9 @@ def list_images(source: str, *, bucket_for: BucketFor = bucket_for_uri) -> Sourc
     yields the URIs of its ``image_uri`` column (or ``uri``, or ``path``); relative entries are resolved
     against the table's folder like links (``/x.png`` is the root of the table's bucket or file system),
     and empty cells, duplicates and non-image names are skipped. Images are not read: an undecodable one
-    is skipped by the caption job.
+    is skipped by the caption job. Each image gets an id unique in the source (``SourceListing.ids``): its
+    path below the source's folder, or the table's own ``image_id`` (or ``id``) column, whose empty and
+    repeated ids are skipped too.
 
     Args:
         source: a local path (absolute, or relative to the current directory), ``file:///abs/path``,
@@ -123,9 +145,10 @@ def list_images(source: str, *, bucket_for: BucketFor = bucket_for_uri) -> Sourc
         raise DatasetSourceError(uri, str(e), f"give {_SOURCE_FORMS}") from None
     with _s3_errors(uri, bucket):
         if uri.lower().endswith(TABLE_SUFFIXES):
-            images, skipped = _from_table(uri, bucket, key)
+            images, skipped, ids = _from_table(uri, bucket, key)
         else:
             images, skipped = _from_folder(uri, bucket, key)
+            ids = {}
     if not images:
         reasons = ", ".join(f"{n} {kind}" for kind, n in SourceListing([], skipped).skipped_by_reason().items())
         raise DatasetSourceError(
@@ -133,7 +156,7 @@ def list_images(source: str, *, bucket_for: BucketFor = bucket_for_uri) -> Sourc
             f"no usable images: {len(skipped)} entries skipped ({reasons})",
             f"point the source at images with one of the extensions {', '.join(sorted(IMAGE_EXTENSIONS))}",
         )
-    return SourceListing(images=images, skipped=skipped, source=uri)
+    return SourceListing(images=images, skipped=skipped, source=uri, ids=ids)
 
 
 def _source_uri(source: str) -> str:
@@ -207,13 +230,15 @@ def _reason_kind(reason: str) -> str:
     return reason.split(" (", 1)[0]
 
 
-def _from_table(uri: str, bucket: TransitBucket, key: str) -> tuple[list[str], list[tuple[str, str]]]:
+def _from_table(uri: str, bucket: TransitBucket, key: str) -> tuple[list[str], list[tuple[str, str]], dict[str, str]]:
     try:
         data = bucket.get_bytes(key)
     except TransitObjectMissing:
         raise DatasetSourceError(uri, "the table does not exist", "check the path and its extension") from None
-    values = _table_column(uri, data)
+    values, own_ids = _table_columns(uri, data)
     seen: set[str] = set()
+    ids: dict[str, str] = {}
+    id_rows: dict[str, int] = {}
     images, skipped = [], []
     for row, value in enumerate(values):
         entry = (value or "").strip()
@@ -228,13 +253,22 @@ def _from_table(uri: str, bucket: TransitBucket, key: str) -> tuple[list[str], l
         elif reason := _extension_problem(image):  # listed by name: hidden or not, the user chose it
             skipped.append((image, reason))
         else:
-            seen.add(image)
-            images.append(image)
-    return sorted(images), skipped
+            image_id = path_id(image, uri) if own_ids is None else (own_ids[row] or "").strip()
+            if not image_id:
+                skipped.append((image, f"empty id cell (row {row})"))
+            elif image_id in id_rows:
+                skipped.append((image, f"id {image_id!r} also given in row {id_rows[image_id]}"))
+            else:
+                seen.add(image)
+                images.append(image)
+                ids[image] = image_id
+                id_rows[image_id] = row
+    return sorted(images), skipped, ids
 
 
-def _table_column(uri: str, data: bytes) -> list[str | None]:
-    """The image-URI column of a Parquet or CSV table, as strings (None for a null cell)."""
+def _table_columns(uri: str, data: bytes) -> tuple[list[str | None], list[str | None] | None]:
+    """The image-URI column of a Parquet or CSV table and its id column (None without one), as strings
+    (None for a null cell)."""
     import pyarrow as pa
 
     try:
@@ -244,14 +278,19 @@ def _table_column(uri: str, data: bytes) -> list[str | None]:
             parquet = pq.ParquetFile(pa.BufferReader(data))
             columns = parquet.schema_arrow.names
             name = next((c for c in URI_COLUMNS if c in columns), None)
-            values = parquet.read(columns=[name]).column(0).cast(pa.string()) if name else None
+            id_name = next((c for c in ID_COLUMNS if c in columns), None)
+            table = parquet.read(columns=[c for c in (name, id_name) if c]) if name else None
+            values = table.column(name).cast(pa.string()) if table is not None else None
+            own_ids = table.column(id_name).cast(pa.string()).to_pylist() if table is not None and id_name else None
         else:
             import pandas as pd
 
             frame = pd.read_csv(io.BytesIO(data), dtype=str, keep_default_na=False)
             columns = list(frame.columns)
             name = next((c for c in URI_COLUMNS if c in columns), None)
+            id_name = next((c for c in ID_COLUMNS if c in columns), None)
             values = pa.array(frame[name], pa.string()) if name else None
+            own_ids = list(frame[id_name]) if name and id_name else None
     except (pa.ArrowException, ValueError, UnicodeDecodeError) as e:
         kind = "Parquet" if uri.lower().endswith(".parquet") else "CSV"
         raise DatasetSourceError(
@@ -263,7 +302,7 @@ def _table_column(uri: str, data: bytes) -> list[str | None]:
             f"no image-URI column; the columns are {columns}",
             f"name the column of image paths or URIs {' or '.join(repr(c) for c in URI_COLUMNS)}",
         )
-    return values.to_pylist()
+    return values.to_pylist(), own_ids
 
 
 def _resolve(entry: str, table_uri: str) -> str | None:

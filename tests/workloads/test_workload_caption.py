@@ -50,28 +50,45 @@ def night(bucket: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
 
     Returns:
         {"clean"/"damaged": (shard URI, truth, output URI), "damaged_uris": how the reason for each
-        damaged image starts, "missing": the URI with no object, "proc": the finished job,
+        damaged image starts, "missing": the URI with no object, "pale": a pale image (captioned), "proc": the
+        finished job,
         "messages": its Pipes custom messages}.
     """
     root = storage.join(bucket, "night")
-    clean_truth = publish_images(storage.join(root, "images", "clean"), range(10))
-    clean = publish_shard(storage.join(root, "shards", "clean"), list(clean_truth))
+    # The clean shard's images have the same file names in two folders; its manifest gives their ids (their
+    # paths below the source). The damaged shard's gives none, as one registered before ids were recorded.
+    clean_root = storage.join(root, "images", "clean")
+    clean_truth = {
+        **publish_images(storage.join(clean_root, "a"), range(5)),
+        **publish_images(storage.join(clean_root, "b", "a"), range(5)),
+    }
+    clean = publish_shard(
+        storage.join(root, "shards", "clean"), list(clean_truth), [u[len(clean_root) + 1 :] for u in clean_truth]
+    )
 
     images = storage.join(root, "images", "damaged")
-    damaged_truth = publish_images(images, range(10, 15))
+    damaged_truth = publish_images(images, range(10, 14))
     png = generate_image(15)[0]
     blank = io.BytesIO()
     Image.new("RGB", (32, 32), "white").save(blank, format="PNG")
+    # A pale image (no pixel far from white, none white either) is not blank: it is captioned.
+    pale = io.BytesIO()
+    Image.new("RGB", (32, 32), (235, 252, 195)).save(pale, format="PNG")
+    pale_uri = storage.join(images, "pale.png")
+    storage.write_bytes(pale_uri, pale.getvalue())
     damaged = {
         storage.join(images, "truncated.png"): (png[: len(png) // 2], "not a decodable image"),
         storage.join(images, "empty.png"): (b"", "not a decodable image"),
         storage.join(images, "text.png"): (b"a caption, not an image\n", "not a decodable image"),
-        storage.join(images, "blank.png"): (blank.getvalue(), "not captionable"),
+        storage.join(images, "blank.png"): (
+            blank.getvalue(),
+            "not captionable: blank image: every pixel is within 12 of white (R+G+B below 255 each; the farthest is 0)",
+        ),
     }
     for uri, (data, _) in damaged.items():
         storage.write_bytes(uri, data)
     missing = storage.join(images, "missing.png")
-    listed = [*list(damaged_truth)[:2], *damaged, missing, *list(damaged_truth)[2:]]
+    listed = [*list(damaged_truth)[:2], *damaged, missing, pale_uri, *list(damaged_truth)[2:]]
     damaged_shard = publish_shard(storage.join(root, "shards", "damaged"), listed)
 
     outputs = {name: storage.join(root, "captions", name) for name in ("clean", "damaged")}
@@ -87,6 +104,7 @@ def night(bucket: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
         "damaged": (damaged_shard, damaged_truth, outputs["damaged"]),
         "damaged_uris": {**{u: r for u, (_, r) in damaged.items()}, missing: "cannot read"},
         "missing": missing,
+        "pale": pale_uri,
         "proc": proc,
         "messages": custom_messages(messages),
     }
@@ -123,8 +141,12 @@ def test_captions_match_the_pictures(night):
         rows = read_parts(output).set_index("image_uri")
         for uri, caption in truth.items():
             assert rows.loc[uri, "caption"] == caption
-            assert rows.loc[uri, "image_id"] == uri.rsplit("/", 1)[-1].removesuffix(".png")
+            if name == "clean":  # the id the shard gives: unique, though two images share a file name
+                assert rows.loc[uri, "image_id"] == uri.split("/images/clean/", 1)[1]
+            else:  # a shard without ids: the file stem, as before ids were recorded
+                assert rows.loc[uri, "image_id"] == uri.rsplit("/", 1)[-1].removesuffix(".png")
             assert pd.isna(rows.loc[uri, "error"])
+        assert rows["image_id"].is_unique
 
 
 def test_damaged_and_missing_images_are_skipped_with_a_reason(night):
@@ -133,6 +155,7 @@ def test_damaged_and_missing_images_are_skipped_with_a_reason(night):
     for uri, reason in night["damaged_uris"].items():
         assert pd.isna(rows.loc[uri, "caption"])
         assert rows.loc[uri, "error"].startswith(reason), rows.loc[uri, "error"]
+    assert rows.loc[night["pale"], "caption"] and pd.isna(rows.loc[night["pale"], "error"])  # pale, not blank
     manifest = read_manifest(output)
     assert (manifest["captioned"], manifest["skipped"]) == (5, 5)
     skipped = {s["uri"]: s["reason"] for s in manifest["skipped_images"]}

@@ -115,10 +115,13 @@ def publish_images(folder_uri: str, indices: range) -> dict[str, str]:
     return truth
 
 
-def publish_shard(shard_uri: str, images: Sequence[str]) -> str:
-    """Publish a data set shard listing ``images``, as the orchestrator does; returns ``shard_uri``."""
+def publish_shard(shard_uri: str, images: Sequence[str], ids: Sequence[str] | None = None) -> str:
+    """Publish a data set shard listing ``images`` (with their ``ids``, as the orchestrator does; without,
+    as it did before ids were recorded); returns ``shard_uri``."""
     name = shard_uri.rstrip("/").rsplit("/", 1)[-1]
     manifest = {"dataset": "synthetic", "shard": name, "count": len(images), "images": list(images)}
+    if ids is not None:
+        manifest["ids"] = list(ids)
     storage.publish(shard_uri, manifest)
     return shard_uri
 
