@@ -92,8 +92,9 @@ class Launcher:
         full: set[str] = set()
         while True:
             assert job.route is not None
+            step = f" ({request.step} step)" if request.step else ""
             log(
-                f"Launching {job.name} on pool '{job.pool}' ({job.route.infra}, {job.route.describe()}) "
+                f"Launching {job.name}{step} on pool '{job.pool}' ({job.route.infra}, {job.route.describe()}) "
                 f"through the {self.backend.name} backend: {job.route.reason}."
             )
             try:
@@ -212,10 +213,12 @@ class Launcher:
             follow: Callable[[str], LogFollower] = lambda _job_id: service.follow_logs()  # noqa: E731
             most = s.poll_interval_s  # a service's URL shows without a change of state: no backing off
         else:
+            # A log that just ended says the job did: an answer older than a poll interval is not enough; a
+            # backend whose states are local files is asked again at once (a look costs a file read).
+            fresh_age = s.poll_interval_s if self.backend.remote_status else 0.0
 
             def statuses(asked: Sequence[str], fresh: bool) -> dict[str, JobInfo]:
-                # A log that just ended says the job did: an answer older than a poll interval is not enough.
-                return hub.get(asked, max_age_s=s.poll_interval_s if fresh else first)
+                return hub.get(asked, max_age_s=fresh_age if fresh else first)
 
             follow = self.backend.follow_logs
             most = s.max_poll_interval_s if self.backend.remote_status else first
@@ -274,7 +277,7 @@ class Launcher:
                         break
                     streams.start(ids, infos)
                     next_poll = time.monotonic() + backoff.after(changed)
-                time.sleep(max(0.0, min(s.poll_interval_s, next_poll - time.monotonic())))
+                streams.wait(max(0.0, min(s.poll_interval_s, next_poll - time.monotonic())))
             streams.drain()
             hooks.tick()
         except interrupts:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import select
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -202,6 +203,15 @@ class Streams:
         ended = {job_id for job_id, follower in self.open.items() if follower.ended} - self.cued
         self.cued |= ended
         return bool(ended)
+
+    def wait(self, seconds: float) -> None:
+        """Sleeps ``seconds``, waking at once when a followed job's stream ends where its follower can say so
+        (:meth:`~.backends.base.LogFollower.end_fd`: the local backend's runner exiting)."""
+        fds = [fd for job_id, f in self.open.items() if job_id not in self.cued and (fd := f.end_fd()) is not None]
+        if fds:
+            select.select(fds, [], [], seconds)
+        else:
+            time.sleep(seconds)
 
     def stop(self, job_id: str) -> None:
         """Closes a job's stream for good (its job ended, or was replaced)."""

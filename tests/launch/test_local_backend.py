@@ -64,6 +64,24 @@ def test_environment_contract(backend):
     assert f"PWD={PROJECT_ROOT}" in out
 
 
+def test_a_step_waiting_for_its_job_wakes_when_the_job_ends_not_at_its_next_look(backend):
+    """The wait loop looks at a job every ``poll_interval_s`` (here 30 s); on the local backend it also wakes the
+    moment the job's runner exits, with the job's verdict and its last lines."""
+    from gpudoor_pipelines.launch.config import LaunchSettings
+    from gpudoor_pipelines.launch.launcher import Launcher
+    from gpudoor_pipelines.launch.resolve.fleet import load_fleet
+    from gpudoor_pipelines.launch.watch import Hooks
+
+    launcher = Launcher(backend, load_fleet(), LaunchSettings(poll_interval_s=30.0, max_poll_interval_s=30.0))
+    lines: list[str] = []
+    job_id = backend.submit(_job("sleep 0.5; echo last line"))
+    started = time.monotonic()
+    watched = launcher.wait([job_id], Hooks(line=lines.append))
+    waited = time.monotonic() - started
+    assert watched.infos[job_id].state is JobState.SUCCEEDED and lines[-1] == "last line"
+    assert waited < 15, f"the end was noticed {waited:.1f} s after the wait began: at a look, not at the job's end"
+
+
 def test_one_process_per_node_rank(backend):
     job_id = backend.submit(_job("echo rank=$SKYPILOT_NODE_RANK of $SKYPILOT_NUM_NODES port=$MASTER_PORT", num_nodes=3))
     assert _wait(backend, job_id) == JobState.SUCCEEDED

@@ -26,6 +26,11 @@ class LogFollower(abc.ABC):
         """The log stream has ended (the job has, or the connection dropped); False where it cannot tell."""
         return False
 
+    def end_fd(self) -> int | None:
+        """A file descriptor that becomes readable when the stream ends, for a wait loop to wake on at once
+        (``select``); None where there is none (the loop then looks at :attr:`ended` at its own pace)."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Stops following."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -49,10 +50,34 @@ from gpudoor_pipelines.launch.resolve.specs import gpus_per_node, parse_accelera
 
 
 class _FileFollower(LogFollower):
-    def __init__(self, path: Path) -> None:
+    """Follows a job's ``run.log``; the stream ends when the job's runner exits (it writes the job's verdict
+    first). Where the system has process file descriptors (Linux), a wait loop wakes the moment it does."""
+
+    def __init__(self, path: Path, runner_pid: int | None = None) -> None:
         self._path = path
         self._offset = 0
         self._partial = b""
+        self._pid = runner_pid
+        self._pidfd: int | None = None
+        if runner_pid and hasattr(os, "pidfd_open"):
+            try:
+                self._pidfd = os.pidfd_open(runner_pid)
+            except OSError:  # gone already, or not allowed: ``ended`` still tells
+                self._pidfd = None
+
+    @property
+    def ended(self) -> bool:
+        if self._pidfd is not None:
+            return bool(select.select([self._pidfd], [], [], 0)[0])
+        return self._pid is not None and not alive(self._pid)
+
+    def end_fd(self) -> int | None:
+        return self._pidfd
+
+    def close(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
 
     def poll(self) -> list[str]:
         try:
@@ -206,8 +231,8 @@ class LocalBackend(LocalWarmPools, Backend):
         )
 
     def follow_logs(self, job_id: str) -> LogFollower:
-        """Follows ``run.log`` of the job."""
-        return _FileFollower(self.job_dir(job_id) / LOG_FILE)
+        """Follows ``run.log`` of the job, until its runner exits."""
+        return _FileFollower(self.job_dir(job_id) / LOG_FILE, self._runner(job_id).get("pid"))
 
     def log_tail(self, job_id: str, lines: int = 30) -> list[str]:
         """The last lines of the job's log."""
