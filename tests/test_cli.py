@@ -78,6 +78,48 @@ def test_where_bad_override_is_a_clear_error(capsys):
     assert "train.yaml" in err and "resources.accelerators" in err and "Fix:" in err
 
 
+@pytest.mark.parametrize("given", ["0", "-3", "many"])
+def test_flow_refuses_an_image_count_that_makes_no_dataset(capsys, given):
+    """``--images 0`` used to run the 96-image sample without a word."""
+    with pytest.raises(SystemExit) as refused:
+        main(["flow", "--images", given])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert "--images" in err and (given in err) and ("at least 1" in err or "whole number" in err)
+
+
+def test_caption_a_folder_now_from_the_shell(tmp_path, capsys):
+    """``gpudoor caption SOURCE --name NAME``: registers the folder, captions its shards now in one run, merges;
+    run again after a new image, it captions only the new shard. A folder that cannot be read fails first."""
+    import pandas as pd
+
+    from gpudoor_pipelines.data.synthetic import generate_image
+
+    assert main(["caption", str(tmp_path / "nowhere"), "--name", "mine"]) == 1
+    err = capsys.readouterr().err
+    assert "failed: dataset_shards" in err and "nowhere" in err and "Fix" in err and "Traceback" not in err
+
+    folder = tmp_path / "mine"
+    for index, name in enumerate(["a/img.png", "b/a/img.png", "img.png", "c/img.png"]):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(generate_image(index)[0])
+    assert main(["caption", str(folder), "--name", "mine", "--shard-size", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "images          : 4 (0 skipped), in 2 shards (2 captioned now)" in out, out
+    assert "caption_shards[mine-00000…mine-00001]" in out  # both shards in one run, with a live line
+    uri = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("captions "))
+    merged = pd.read_parquet(uri.removeprefix("file://"))
+    assert sorted(merged.image_id) == ["a/img.png", "b/a/img.png", "c/img.png", "img.png"]
+    assert merged.caption.notna().all()
+
+    (folder / "d").mkdir()
+    (folder / "d/img.png").write_bytes(generate_image(9)[0])
+    assert main(["caption", str(folder), "--name", "mine", "--shard-size", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "images          : 5 (0 skipped), in 3 shards (1 captioned now)" in out, out
+    assert len(pd.read_parquet(uri.removeprefix("file://"))) == 5
+
+
 def test_check_passes_on_the_shipped_specs(capsys):
     assert main(["check"]) == 0
     out = capsys.readouterr().out

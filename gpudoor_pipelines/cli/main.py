@@ -1,6 +1,7 @@
 """``gpudoor``: the command line of the package, for people and agents.
 
 gpudoor flow                 materialize the whole flow on this machine and print the result
+gpudoor caption SRC --name N caption a folder, S3 prefix or table of images now: register, caption, merge
 gpudoor where SPEC [...]     explain where a task spec would run and what it would get
 gpudoor check                check every task spec and the fleet file
 gpudoor rules [--check]      write docs/rules.md, the fleet's rules as one page (--check: fail if stale)
@@ -16,12 +17,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from gpudoor_pipelines.launch.errors import LaunchConfigError
 
 
-def _cmd_flow(args: argparse.Namespace) -> int:
+def _watched(args: argparse.Namespace, log_name: str, run: Callable[..., Any]) -> tuple[Path, Any] | None:
+    """Calls ``run(defs, instance, watch=..., console_log_level=...)`` on the Dagster instance of
+    ``$DAGSTER_HOME``, one live line per step, Dagster's event log in a file (``--verbose``: here). Returns
+    the home and what ``run`` returned, or None when a step failed (said on stderr, with the fix)."""
     import datetime
     import logging
     import warnings
@@ -33,38 +39,64 @@ def _cmd_flow(args: argparse.Namespace) -> int:
     import dagster as dg
 
     from gpudoor_pipelines.assets.concurrency import sync_pool_limits
-    from gpudoor_pipelines.cli.flow import FlowFailed, run_flow
+    from gpudoor_pipelines.cli.flow import FlowFailed
     from gpudoor_pipelines.cli.progress import FlowProgress
     from gpudoor_pipelines.definitions import defs
 
     home = _dagster_home()
-    run_config = {"dataset_shards": {"num_images": args.images}} if args.images else None
-    log_path = home / "logs" / f"flow-{datetime.datetime.now(datetime.UTC):%Y%m%d-%H%M%S}.log"
+    log_path = home / "logs" / f"{log_name}-{datetime.datetime.now(datetime.UTC):%Y%m%d-%H%M%S}.log"
     with dg.DagsterInstance.get() as instance:
         sync_pool_limits(instance)
         progress = FlowProgress(instance, log_path)
         if not args.verbose:
             print(f"Dagster's event log: {log_path}  (--verbose streams it here)", flush=True)
         try:
-            summary = run_flow(
-                defs,
-                instance,
-                run_config=run_config,
-                watch=progress.watch,
-                console_log_level=None if args.verbose else "CRITICAL",
-            )
+            result = run(defs, instance, watch=progress.watch, console_log_level=None if args.verbose else "CRITICAL")
         except FlowFailed as e:
             print(f"\nfailed: {e.label} (run {e.run_id})\n{e.why}\n\nevent log: {log_path}", file=sys.stderr)
-            return 1
+            return None
         finally:
             progress.close()
     print()
+    return home, result
+
+
+def _cmd_flow(args: argparse.Namespace) -> int:
+    from gpudoor_pipelines.cli.flow import run_flow
+
+    run_config = {"dataset_shards": {"num_images": args.images}} if args.images is not None else None
+    done = _watched(args, "flow", lambda *a, **kw: run_flow(*a, run_config=run_config, **kw))
+    if done is None:
+        return 1
+    home, summary = done
     print(f"best checkpoint : {summary.best_checkpoint}")
     print(f"accuracy        : {summary.accuracy:.3f} (held-out)")
     print(f"demo            : {summary.demo_url}  (cluster {summary.demo_cluster})")
     print(f"runs recorded in: {home}  (open them with: dagster dev)")
     print(f"stop the demo   : gpudoor demo stop {summary.demo_cluster}")
     return 0
+
+
+def _cmd_caption(args: argparse.Namespace) -> int:
+    from gpudoor_pipelines.cli.flow import run_caption
+
+    done = _watched(
+        args,
+        "caption",
+        lambda *a, **kw: run_caption(*a, source=args.source, name=args.name, shard_size=args.shard_size, **kw),
+    )
+    if done is None:
+        return 1
+    home, summary = done
+    print(f"captions        : {summary.dataset_uri}")
+    print(
+        f"images          : {summary.rows} ({summary.images_skipped} skipped), in {summary.shards} shards "
+        f"({summary.shards_captioned_now} captioned now)"
+    )
+    if summary.shards_missing:
+        print(f"not captioned   : {summary.shards_missing} shards (run the command again to finish them)")
+    print(f"runs recorded in: {home}  (open them with: dagster dev)")
+    return 1 if summary.shards_missing else 0
 
 
 def _dagster_home() -> Path:
@@ -305,6 +337,17 @@ def _fleet_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _image_count(text: str) -> int:
+    """``--images N``: a whole number of at least 1 (0 would make no dataset, not the default sample)."""
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of images") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"{count}: give at least 1 image (leave --images out for the 96-image sample)")
+    return count
+
+
 class _EnvValue(argparse.Action):
     """``--env NAME=VALUE``, repeatable, into a mapping (an empty value is ``NAME=``)."""
 
@@ -339,11 +382,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpudoor", description="One door to every GPU.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("flow", help="materialize the whole flow on the configured backend (default: this machine)")
-    p.add_argument("--images", type=int, default=None, help="size of the generated dataset (default 96)")
+    p.add_argument("--images", type=_image_count, default=None, help="size of the generated dataset (default 96)")
     p.add_argument(
         "--verbose", action="store_true", help="stream Dagster's event log here instead of one line per step"
     )
     p.set_defaults(func=_cmd_flow)
+    p = sub.add_parser(
+        "caption",
+        help="caption a folder, S3 prefix or table of images now: register, caption (the night's waves), merge",
+    )
+    p.add_argument("source", help="a folder, file:///…, s3://bucket/prefix, or a .parquet/.csv table of image URIs")
+    p.add_argument("--name", required=True, help="the dataset's name (lowercase, digits, '-'): shards are NAME-NNNNN")
+    p.add_argument("--shard-size", type=_image_count, default=None, help="images per new shard (default 24)")
+    p.add_argument(
+        "--verbose", action="store_true", help="stream Dagster's event log here instead of one line per step"
+    )
+    p.set_defaults(func=_cmd_caption)
     p = sub.add_parser("where", help="explain where a task spec would run, and what it would get")
     p.add_argument("spec", help="a task spec: task_specs/eval.yaml or just eval")
     p.add_argument("--step", help="step kind whose route to use (default: route by the GPU the task needs)")
