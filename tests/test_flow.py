@@ -77,6 +77,9 @@ def test_whole_flow_on_the_embedded_default(instance, tmp_path, capfd):
     }
     assert all(line.endswith("done") for line in finals.values()), finals
     assert "pool h200" in finals["training_run"] and " job " in finals["training_run"]
+    # The smoke test before the training says so while it runs.
+    smoke_lines = [line for line in lines if line.split("]", 1)[1].split()[0].startswith("training_run")]
+    assert any("  smoke test  pool h200" in line for line in smoke_lines), smoke_lines
     assert any("caption_shards[" in line and " job " in line for line in lines)
     log = (tmp_path / "flow.log").read_text()
     assert "STEP_SUCCESS" in log and "Submitted job" in log

@@ -20,7 +20,10 @@ from typing import TextIO
 
 import dagster as dg
 
-_LAUNCHING = re.compile(r"[Ll]aunching .* on pool '([^']+)'")
+_LAUNCHING = re.compile(r"[Ll]aunching .*?(?: \((\w+) step\))? on pool '([^']+)'")
+#: Steps a step's line names while their job runs: a step that launches more than one job (training's smoke
+#: test, then its run) shows which one it is at.
+_NAMED_STEPS = {"smoke": "smoke test"}
 _SUBMITTED = re.compile(r"Submitted jobs? (\S+?)\.?$")
 _STATE = re.compile(r"\b(PENDING|STARTING|RUNNING|RECOVERING|CANCELLING|SUCCEEDED|FAILED\w*|CANCELLED)\b")
 
@@ -46,13 +49,15 @@ class FlowProgress:
     @contextlib.contextmanager
     def watch(self, label: str, run_id: str) -> Iterator[None]:
         """Keeps the step's line current while the run with ``run_id`` executes."""
-        state = {"pool": "", "job": "", "state": "starting", "seen": 0}
+        state = {"pool": "", "job": "", "what": "", "state": "starting", "seen": 0}
         started = time.monotonic()
         stop = threading.Event()
         last: list[str] = [""]
 
         def render() -> str:
             parts = [f"[{time.monotonic() - started:5.0f}s]", label]
+            if state["what"]:
+                parts.append(state["what"])
             if state["pool"]:
                 parts.append(f"pool {state['pool']}")
             if state["job"]:
@@ -77,12 +82,15 @@ class FlowProgress:
                 self._write(record)
                 message = record.user_message or ""
                 if m := _LAUNCHING.search(message):
-                    state["pool"] = m.group(1)
+                    state["what"] = _NAMED_STEPS.get(m.group(1) or "", "")
+                    state["pool"] = m.group(2)
+                    state["job"] = ""
                     state["state"] = "launching"
                 elif m := _SUBMITTED.search(message):
                     state["job"] = m.group(1)
                     state["state"] = "submitted"
                 elif record.dagster_event is not None and record.dagster_event.is_step_success:
+                    state["what"] = ""
                     state["state"] = "done"
                 elif record.dagster_event is not None and record.dagster_event.is_step_failure:
                     state["state"] = "failed"
