@@ -11,7 +11,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from gpudoor_pipelines.assets.usage import WEEKS, gpu_usage, usage_table, week_of
+from gpudoor_pipelines.assets.usage import WEEKS, gpu_usage, smoke_test_metadata, usage_table, week_of
 from gpudoor_pipelines.automation.schedules import weekly_gpu_usage_schedule
 from gpudoor_pipelines.launch.backends.local import LocalBackend
 from gpudoor_pipelines.launch.client import PipesSkyPilotClient
@@ -171,9 +171,47 @@ def test_the_week_counts_every_local_job_by_pool_and_cost_owner(tmp_path):
     stored = Path(md["chart_uri"].removeprefix("file://")).read_bytes()
     assert inline == stored and Image.open(io.BytesIO(stored)).size == (760, 420)
 
+    assert md["smoke_tests"] == 0 and md["smoke_tests_failed"] == 0  # no training this week
+
     # The week before saw none of these jobs.
     md, table, ok = _materialize(client, week_of(dt.datetime.now(dt.UTC) - dt.timedelta(days=7)))
     assert ok and len(table) == 0 and md["gpu_hours"] == 0 and md["jobs"] == 0
+
+
+def test_the_week_counts_smoke_tests_run_those_that_caught_a_problem_and_their_median_time():
+    from gpudoor_pipelines.launch.job import JobState, JobUsage
+
+    def job(n: int, step: str, state: JobState, started: float | None, ended: float | None) -> JobUsage:
+        return JobUsage(
+            job_id=str(n),
+            name=f"j{n}",
+            pool="h200",
+            user="ana",
+            cost_owner="ml-research",
+            step=step,
+            gpus=1,
+            started_at=started,
+            ended_at=ended,
+            state=state,
+        )
+
+    jobs = [
+        job(1, "smoke", JobState.SUCCEEDED, 100.0, 160.0),
+        job(2, "smoke", JobState.FAILED, 200.0, 230.0),  # the training's code failed: caught before the long run
+        job(3, "smoke", JobState.FAILED_SETUP, 300.0, 310.0),
+        job(4, "smoke", JobState.FAILED_NO_RESOURCE, None, 400.0),  # no GPU: the fleet's problem, not the code's
+        job(5, "smoke", JobState.CANCELLED, 500.0, 590.0),
+        job(6, "smoke", JobState.RUNNING, 600.0, None),  # not ended: counts when it ends
+        job(7, "smoke", JobState.SUCCEEDED, 0.0, 5000.0),  # ended after the window
+        job(8, "train", JobState.FAILED, 100.0, 200.0),
+    ]
+    assert smoke_test_metadata(jobs, 0.0, 1000.0) == {
+        "smoke_tests": 5,
+        "smoke_tests_failed": 2,
+        "smoke_test_median_s": 45.0,  # of 60, 30, 10 and 90 s (the one that never started has no time)
+    }
+    empty = smoke_test_metadata(jobs[7:], 0.0, 1000.0)
+    assert empty["smoke_tests"] == 0 and empty["smoke_test_median_s"] != empty["smoke_test_median_s"]  # NaN
 
 
 def test_a_window_counts_only_its_part_of_a_job(tmp_path):

@@ -18,13 +18,17 @@ import pandas as pd
 from gpudoor_pipelines.assets.k8s import cpu_step_tags
 from gpudoor_pipelines.data import layout
 from gpudoor_pipelines.launch.client import PipesSkyPilotClient
-from gpudoor_pipelines.launch.job import JobUsage
+from gpudoor_pipelines.launch.job import JobState, JobUsage
 from gpudoor_pipelines.launch.resolve.fleet import Fleet
 
 #: Weeks run from Monday 00:00 UTC; the week under way is a partition too, its figures growing until it ends.
 WEEKS = dg.WeeklyPartitionsDefinition(start_date="2026-01-05", day_offset=1, end_offset=1)
 #: The step kind whose pools are "the H200 pool" of ``share_off_h200``.
 TRAINING_STEP = "train"
+#: The step kind of the short run on the target GPU before a long one.
+SMOKE_STEP = "smoke"
+#: How a smoke test that caught a problem ends: the code or its setup failed (not the infrastructure, not a cancel).
+_CAUGHT = (JobState.FAILED, JobState.FAILED_SETUP)
 COLUMNS = [
     "pool",
     "cost_owner",
@@ -114,6 +118,18 @@ def usage_metadata(table: pd.DataFrame, fleet: Fleet) -> dict[str, float | int]:
     for owner in sorted({*fleet.cost_owners, *table["cost_owner"]}):
         md[f"cost_usd_{owner}"] = round(float(table.loc[table["cost_owner"] == owner, "cost_usd"].sum()), 4)
     return md
+
+
+def smoke_test_metadata(jobs: Sequence[JobUsage], since: float, until: float) -> dict[str, float | int]:
+    """The smoke tests that ended between ``since`` and ``until``: how many ran, how many caught a problem
+    (failed in their code or setup, so the long run they guard never started), and their median seconds."""
+    ended = [j for j in jobs if j.step == SMOKE_STEP and j.ended_at is not None and since <= j.ended_at < until]
+    seconds = sorted(j.ended_at - j.started_at for j in ended if j.started_at is not None and j.ended_at is not None)
+    return {
+        "smoke_tests": len(ended),
+        "smoke_tests_failed": sum(j.state in _CAUGHT for j in ended),
+        "smoke_test_median_s": round(float(pd.Series(seconds).median()), 1) if seconds else math.nan,
+    }
 
 
 def markdown_table(table: pd.DataFrame) -> str:
@@ -217,9 +233,13 @@ def gpu_usage(context: dg.AssetExecutionContext, skypilot: PipesSkyPilotClient) 
       jobs are never preempted). Work redone after a preemption since the last checkpoint is not seen,
       so goodput is an upper bound.
     - Share off H200: 1 − GPU-hours on the training route's pool ÷ all GPU-hours.
+    - Smoke tests: the ~60 s runs on the target GPU before each training, that ended in the week; how many
+      failed in their code or setup (each a long run that never started on a broken job), and their median
+      seconds.
 
     The UI plots ``gpu_hours``, ``cost_usd``, ``preemptions``, ``goodput``, ``share_off_h200``,
-    ``gpu_hours_<pool>`` and ``cost_usd_<cost owner>`` across the weeks; ``chart`` shows the week's bars.
+    ``gpu_hours_<pool>``, ``cost_usd_<cost owner>``, ``smoke_tests``, ``smoke_tests_failed`` and
+    ``smoke_test_median_s`` across the weeks; ``chart`` shows the week's bars.
     """
     week = context.partition_key
     window = context.partition_time_window
@@ -235,7 +255,7 @@ def gpu_usage(context: dg.AssetExecutionContext, skypilot: PipesSkyPilotClient) 
     bucket = skypilot.transit.get_bucket()
     key = layout.USAGE_CHART.format(week=week)
     bucket.put_bytes(key, png)
-    md = usage_metadata(table, fleet)
+    md = {**usage_metadata(table, fleet), **smoke_test_metadata(jobs, since, until)}
     context.add_output_metadata(
         {
             **md,
@@ -250,6 +270,7 @@ def gpu_usage(context: dg.AssetExecutionContext, skypilot: PipesSkyPilotClient) 
     )
     context.log.info(
         f"Week of {week}: {md['jobs']} jobs, {md['gpu_hours']:.2f} GPU-hours, ${md['cost_usd']:.2f}, "
-        f"{md['preemptions']} preemptions; chart at {bucket.uri(key)}."
+        f"{md['preemptions']} preemptions; {md['smoke_tests']} smoke tests, {md['smoke_tests_failed']} of them "
+        f"caught a problem; chart at {bucket.uri(key)}."
     )
     return table
