@@ -29,6 +29,12 @@ Environment:
         over), nor on a signal (a preempted job is recovered and resumes). Never written in smoke mode.
         A marker that cannot be written is reported on stderr and changes nothing else.
 
+A training launched without the orchestrator (``gpudoor launch``, an agent, SkyPilot itself) is found by the
+checkpoint sensor all the same: when ENDED_MARKER_URI is not given and OUTPUT_URI is ``<root>/checkpoints/<training
+id>`` (the transit bucket's layout), rank 0 writes this start's journal entry itself, as the orchestrator does
+(``<root>/trainings/<day>/<start>-<training id>.json``, :mod:`gpudoor_pipelines.data.checkpoints`), and its ended
+marker goes where that entry says. A training id that could not name a training is a configuration error.
+
 Every rank resumes from the newest complete checkpoint in OUTPUT_URI (``resuming from step N``);
 when that checkpoint already reaches MAX_STEPS the program exits 0 at once, before loading torch.
 Rank 0 alone writes checkpoints and reports to Dagster: ``steps``, ``final_loss``, ``checkpoints``
@@ -37,15 +43,20 @@ Rank 0 alone writes checkpoints and reports to Dagster: ``steps``, ``final_loss`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from gpudoor_pipelines.transit.uris import bucket_for_uri, write_bytes
+from gpudoor_pipelines.data import layout
+from gpudoor_pipelines.data.checkpoints import TrainingStart, check_training_id
+from gpudoor_pipelines.transit.bucket import MANIFEST_NAME
+from gpudoor_pipelines.transit.uris import bucket_for_uri, join, write_bytes
 from workloads.checkpoints import latest_checkpoint, read_manifest
 from workloads.config import ConfigError, env_flag, env_float, env_int, env_str, node_rank, run_main
 from workloads.reporting import open_reporting, saved
@@ -99,6 +110,29 @@ def read_settings() -> tuple[dict[str, Any], str | None]:
         master_port=env_int("MASTER_PORT", 29500),
         dist_timeout_s=env_int("DIST_TIMEOUT_S", 60),
     ), ended_marker_uri
+
+
+def journal_own_start(output_uri: str) -> str | None:
+    """Writes this start's journal entry when OUTPUT_URI is a training's folder in the transit bucket, so the
+    checkpoint sensor watches a training nobody else journaled; returns where its ended marker goes (None
+    when OUTPUT_URI is elsewhere: nothing watches that).
+
+    Raises:
+        ConfigError: the folder's name cannot be a training id.
+    """
+    root, sep, training_id = output_uri.rstrip("/").rpartition(f"/{layout.CHECKPOINTS}/")
+    if not sep or "/" in training_id:
+        return None
+    try:
+        check_training_id(training_id)
+    except ValueError as exc:
+        raise ConfigError(f"OUTPUT_URI: {exc}") from None
+    latest = latest_checkpoint(output_uri)
+    after = f"{layout.CHECKPOINTS}/{training_id}/{latest[1].rsplit('/', 1)[1]}/{MANIFEST_NAME}" if latest else None
+    start = TrainingStart(training_id=training_id, started_at=time.time(), after=after)
+    write_bytes(join(root, start.journal_key), json.dumps(dataclasses.asdict(start)).encode())
+    log(f"training {training_id}: journaled for the checkpoint sensor ({join(root, start.journal_key)})")
+    return join(root, start.ended_key)
 
 
 def one_line(text: str) -> str:
@@ -184,6 +218,8 @@ def main() -> int:
     settings, marker_uri = read_settings()
     if settings["rank"] != 0 or settings["smoke"]:
         marker_uri = None  # one marker per training; a smoke test is not the training
+    elif marker_uri is None:  # nobody journaled this start: the orchestrator gives the marker with its entry
+        marker_uri = journal_own_start(settings["output_uri"])
     try:
         ending = run(settings)
     except ConfigError as exc:  # bad settings: a restart of the job fails the same way

@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from datetime import UTC, datetime, timedelta
 
 import pandas as pd
@@ -24,8 +25,9 @@ from workload_helpers import (
     wait_for,
 )
 
+from gpudoor_pipelines.data.checkpoints import scan_checkpoints
 from gpudoor_pipelines.transit import uris as storage
-from gpudoor_pipelines.transit.bucket import MANIFEST_NAME
+from gpudoor_pipelines.transit.bucket import MANIFEST_NAME, LocalTransitBucket
 
 
 def _manifest(output: str, step: int) -> dict:
@@ -122,7 +124,13 @@ def ended_runs(bucket: str, dataset: str, tmp_path_factory: pytest.TempPathFacto
             **overrides,
         }
 
+    # A training nobody journaled (launched by hand, by an agent, through SkyPilot itself): its folder in a
+    # transit bucket's layout, no ENDED_MARKER_URI. The checkpoint sensor's cursor is taken before it starts.
+    transit = LocalTransitBucket(storage.join(root, "transit").removeprefix("file://"))
+    self_id = "20261206T120000-selfjour"
+    sensor_cursor = scan_checkpoints(transit, None, now=time.time() - 1).cursor
     envs = {
+        "self": env("self", OUTPUT_URI=storage.join(root, "transit", "checkpoints", self_id), ENDED_MARKER_URI=""),
         "ok": env("ok"),
         "config": env("config", CHECKPOINT_EVERY="0"),
         "no_data": env("no_data", DATASET_URI=no_data),
@@ -163,6 +171,7 @@ def ended_runs(bucket: str, dataset: str, tmp_path_factory: pytest.TempPathFacto
         name: (codes[name], (logs / f"{name}.log").read_text(), e["ENDED_MARKER_URI"], e["OUTPUT_URI"])
         for name, e in envs.items()
     }
+    runs["self-scan"] = (scan_checkpoints(transit, sensor_cursor), scan_checkpoints, transit, self_id)
     again = dict(envs["ok"], ENDED_MARKER_URI=storage.join(root, "ok", "ended-again.json"))
     rank1 = dict(
         again,
@@ -196,6 +205,21 @@ def test_ended_marker_says_succeeded_with_the_last_step(ended_runs):
     assert set(marker) == {"state", "reason", "step", "at"}
     assert (marker["state"], marker["reason"], marker["step"]) == ("succeeded", None, 4)
     _assert_recent_utc(marker["at"])
+
+
+def test_a_training_nobody_journaled_journals_itself_and_the_sensor_finds_its_checkpoints(ended_runs):
+    rc, log, _, output = ended_runs["self"]
+    assert rc == 0, log
+    assert _steps(output) == [2, 4]
+    found, scan, transit, training = ended_runs["self-scan"]
+    # The sensor's next tick after the training: every checkpoint it wrote, none from before it started.
+    assert found.checkpoints == [f"{training}.step-000002", f"{training}.step-000004"]
+    (entry,) = [k for k in transit.list_keys("trainings/") if k.endswith(f"-{training}.json")]
+    (ended,) = list(transit.list_keys(f"checkpoints/{training}/_ended/"))
+    assert json.loads(transit.get_bytes(ended))["state"] == "succeeded"
+    # Its end marker is where the journal entry says: the tick after, the training leaves the watch list.
+    assert scan(transit, found.cursor).forgotten == [(training, "ended")]
+    assert entry and "journaled for the checkpoint sensor" in log
 
 
 def test_ended_marker_when_already_complete(ended_runs):
