@@ -8,11 +8,14 @@ started here on 127.0.0.1 in its own process) and each size, on a fresh bucket:
   end marker ``succeeded``), plus, at every size, the same 5 running trainings (a journal entry a few
   minutes before the sensor is turned on, 3 checkpoints each, no end marker). A checkpoint is a
   tiny ``model.pt`` and its ``_manifest.json``; on S3, ``model.pt`` is left out when writing it would
-  take populating past ``--populate-budget-s`` (the output says so);
+  take populating past ``--populate-budget-s`` (the output says so); and 2 running trainings nobody
+  journaled (started by hand, by an agent, or by SkyPilot itself without the training program: dated
+  ids, 3 checkpoints each, no journal entry, no end marker);
 * turn on: ``scan_checkpoints(bucket, None, ScanPolicy(1, 200, 48 h), now=T0)``, then ticks 30 s
   apart with the returned cursor until one is not capped and the backlog walk is done;
-* steady: ``--steady-ticks`` ticks, each after ONE new checkpoint written in a running training
-  (each must hand out exactly that one);
+* steady: ``--steady-ticks`` ticks, each after ONE new checkpoint written in a running training,
+  journaled or not, in turn (each must hand out exactly that one); halfway, the checkpoint is the first
+  of a new training nobody journaled, which must be found at that tick;
 * on the local bucket, a few steady ticks through the real Dagster sensor (``new_checkpoint_sensor``
   with ``build_sensor_context``), for its overhead and the run keys of its run requests.
 
@@ -67,6 +70,7 @@ from gpudoor_pipelines.transit.s3 import S3TransitBucket  # noqa: E402
 PER_TRAINING = 100  # checkpoints per finished training
 RUNNING = 5  # running trainings, at every size
 RUNNING_CHECKPOINTS = 3  # checkpoints each running training wrote before the sensor was turned on
+UNJOURNALED = 2  # running trainings nobody journaled, at every size
 TICK_S = 30.0
 DAY = 86400.0
 POLICY = ScanPolicy(backlog_per_training=1, max_checkpoints=200, forget_after_s=48 * 3600.0)
@@ -213,6 +217,11 @@ class Layout:
             started = t0 - 300.0 + 10.0 * i  # a few minutes before the sensor is turned on
             steps = [100 * (j + 1) for j in range(RUNNING_CHECKPOINTS)]
             self.running.append((new_training_id(f"run{i:05d}", now=started), started, steps))
+        self.unjournaled: list[tuple[str, float, list[int]]] = []
+        for i in range(UNJOURNALED):
+            started = t0 - 200.0 + 10.0 * i
+            steps = [100 * (j + 1) for j in range(RUNNING_CHECKPOINTS)]
+            self.unjournaled.append((new_training_id(f"own{i:05d}", now=started), started, steps))
         self.checkpoints = sum(len(s) for _, _, s in self.finished)
 
     def objects(self, trainings: list[tuple[str, float, list[int]]], name: str) -> Iterator[tuple[str, bytes]]:
@@ -226,7 +235,7 @@ def populate_local(bucket: LocalTransitBucket, layout: Layout) -> dict:
     t0 = time.perf_counter()
     starts = [record_start(bucket, t, now=at) for t, at, _ in layout.finished + layout.running]
     written = 0
-    for training, _, steps in layout.finished + layout.running:
+    for training, _, steps in layout.finished + layout.running + layout.unjournaled:
         for step in steps:
             folder = bucket.root / "checkpoints" / training / step_dir(step)
             folder.mkdir(parents=True, exist_ok=True)
@@ -253,7 +262,7 @@ def populate_s3(bucket: S3TransitBucket, endpoint: str, layout: Layout, model_fi
     def put_all(name: str) -> tuple[int, float]:
         t = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(UPLOAD_THREADS) as pool:
-            n = sum(1 for _ in pool.map(put, layout.objects(trainings, name)))
+            n = sum(1 for _ in pool.map(put, layout.objects(trainings + layout.unjournaled, name)))
         return n, time.perf_counter() - t
 
     manifests, manifests_s = put_all(MANIFEST_NAME)
@@ -418,7 +427,9 @@ def scenario(kind: str, size: int, args: argparse.Namespace, endpoint: str | Non
     first = turn_on[0]
     assert len(first["result"].checkpoints) <= POLICY.max_checkpoints, "first tick over the cap"
     assert len(handed) == len(set(handed)), "a checkpoint handed out twice"
-    expected_backlog = {checkpoint_key(t, step_dir(steps[-1])) for t, _, steps in layout.finished + layout.running}
+    expected_backlog = {
+        checkpoint_key(t, step_dir(steps[-1])) for t, _, steps in layout.finished + layout.running + layout.unjournaled
+    }
     assert set(handed) == expected_backlog, (
         "turn-on handed out",
         len(handed),
@@ -426,11 +437,16 @@ def scenario(kind: str, size: int, args: argparse.Namespace, endpoint: str | Non
         len(expected_backlog),
     )
 
-    # steady: one new checkpoint before each tick, in the running trainings in turn
-    next_step = {t: steps[-1] + 100 for t, _, steps in layout.running}
+    # steady: one new checkpoint before each tick, in the running trainings in turn (journaled or not); halfway,
+    # the first checkpoint of a training nobody journaled, started after the sensor was turned on
+    writers = layout.running + layout.unjournaled
+    next_step = {t: steps[-1] + 100 for t, _, steps in writers}
     steady = []
     for i in range(args.steady_ticks):
-        training = layout.running[i % RUNNING][0]
+        training = writers[i % len(writers)][0]
+        if i == args.steady_ticks // 2:
+            training = new_training_id("ownnew00", now=now)
+            next_step[training] = 100
         expected = write_checkpoint(bucket, training, next_step[training])
         next_step[training] += 100
         now += TICK_S
@@ -450,7 +466,7 @@ def scenario(kind: str, size: int, args: argparse.Namespace, endpoint: str | Non
         "bucket": kind if kind == "local" else "s3 (moto, HTTP)",
         "kind": kind,
         "checkpoints": layout.checkpoints,
-        "stored": layout.checkpoints + RUNNING * RUNNING_CHECKPOINTS,
+        "stored": layout.checkpoints + (RUNNING + UNJOURNALED) * RUNNING_CHECKPOINTS,
         "model_files": pop["model_files"],
         "populate_s": pop["populate_s"],
         "first_s": first["s"],

@@ -264,10 +264,40 @@ def test_steady_ticks_list_only_the_watched_trainings(tmp_path):
     door.start(running)
     door.tick()
     write_checkpoint(door.bucket, running, 10)
+    assert door.tick() == [[f"{running}.step-000010"]]
+    write_checkpoint(door.bucket, running, 20)
     result = scan_checkpoints(door.bucket, json.loads(door.cursor), ScanPolicy(backlog_per_training=0), now=door.now)
-    assert result.checkpoints == [f"{running}.step-000010"]
-    assert result.lists == 2 and result.exists == 0  # the journal, and the one running training
-    assert result.keys_listed <= 3
+    assert result.checkpoints == [f"{running}.step-000020"]
+    # The journal, the one running training, and one listing for dated folders after the newest id.
+    assert result.lists == 3 and result.exists == 0
+    # The journal's entry (read again within its lookback); the training's keys after its last manifest
+    # (that checkpoint's model.pt, the new checkpoint's two files); nothing from the 200 finished ones.
+    assert result.keys_listed <= 4
+
+
+def test_a_training_nobody_journaled_is_found_by_its_folder_and_leaves_on_its_run_manifest(tmp_path):
+    """A program of its own writing the layout, with a dated id and no journal entry."""
+    door = Door(tmp_path)
+    old = "20250101T000000-00000000"
+    write_checkpoint(door.bucket, old, 10)
+    running = new_training_id("0e0e0e0e", now=T0 - HOUR)  # started an hour before the sensor was turned on
+    write_checkpoint(door.bucket, running, 10)
+    latest = write_checkpoint(door.bucket, running, 20)
+    # Turned on: the backlog's latest of each training; the one that may still run is watched from there.
+    assert sorted(flat(door.tick())) == [f"{old}.step-000010", latest]
+    later = write_checkpoint(door.bucket, running, 30)
+    assert door.tick() == [[later]]
+    own = new_training_id("0a0b0c0d", now=door.now)
+    first, second = write_checkpoint(door.bucket, own, 10), write_checkpoint(door.bucket, own, 20)
+    write_checkpoint(door.bucket, "my-run", 10)  # not a dated id: it would not sort by start, and is not looked for
+    assert flat(door.tick()) == [first, second]  # all of it: it started after the sensor
+    third = write_checkpoint(door.bucket, own, 30)
+    assert door.tick() == [[third]]
+    door.bucket.put_bytes(f"checkpoints/{own}/{MANIFEST_NAME}", b"{}")  # its run manifest: it is over
+    door.tick()
+    assert own not in json.loads(door.cursor)["active"]
+    write_checkpoint(door.bucket, old, 20)  # older than the newest id seen, never journaled: not looked at
+    assert door.tick() == [] and door.tick() == []
 
 
 def test_training_ids_sort_by_start_and_names_that_break_keys_are_refused():

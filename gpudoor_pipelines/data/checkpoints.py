@@ -12,12 +12,15 @@ Layout (keys relative to the bucket's root)::
 :func:`scan_checkpoints` finds new complete checkpoints with work proportional to what is new, never
 to what is stored: the journal says which trainings (re)started, each watched training is listed from
 its own last complete checkpoint (S3 ``StartAfter``), and a training leaves the watch list when its
-end marker appears, or after a long silence (its run worker died before it could say). Its cursor
-does not depend on how training ids sort, and holds only the trainings being watched. No Dagster here.
+end marker appears, or after a long silence (its run worker died before it could say). A training
+nobody journaled (a program of its own writing this layout) is found by its folder: ids made by
+:func:`new_training_id` sort by start time, so one listing after the newest id seen finds the new
+ones. Its cursor holds only the trainings being watched, and the newest id. No Dagster here.
 """
 
 from __future__ import annotations
 
+import calendar
 import dataclasses
 import datetime
 import json
@@ -36,6 +39,10 @@ TRAINING_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,79}")
 JOURNAL_LOOKBACK_S = 600.0
 #: Keys the one-time backlog walk lists per tick (a few S3 pages; the rest goes on next tick).
 WALK_KEYS_PER_TICK = 20_000
+#: The id format of :func:`new_training_id`: ``<UTC start>-<suffix>``; such ids sort by start time.
+DATED_TRAINING_ID = re.compile(r"\d{8}T\d{6}-[A-Za-z0-9_-]+")
+#: Trainings nobody journaled taken into the watch list per tick (one listing each).
+DISCOVER_PER_TICK = 50
 CURSOR_VERSION = 2
 
 
@@ -199,12 +206,17 @@ class _Scan:
         self.active: dict[str, dict[str, Any]] = (
             {} if fresh else {k: dict(v) for k, v in cursor.get("active", {}).items()}
         )
+        # Once, over what is there at turn-on: the backlog's latest N per training (none with N = 0), and the
+        # newest dated id, where looking for trainings nobody journaled starts.
         self.walk: dict[str, Any] | None = (
-            ({"after": None, "training": None, "latest": []} if policy.backlog_per_training > 0 else None)
-            if fresh
-            else cursor.get("walk")
+            {"after": None, "training": None, "latest": [], "newest": ""} if fresh else cursor.get("walk")
         )
         self.next_training: str = "" if fresh else str(cursor.get("next", ""))
+        # The newest dated training id seen: a dated folder after it is a training nobody journaled.
+        self.newest: str = "" if fresh else str(cursor.get("newest", ""))
+        self.folders: dict[str, str | None] = {"listed": None, "listed_twice": None}
+        if not fresh:
+            self.folders.update(cursor.get("folders") or {})
         self.found: list[str] = []
         self.result = ScanResult(checkpoints=self.found, cursor={})
 
@@ -252,6 +264,49 @@ class _Scan:
         floor = self.journal_last - JOURNAL_LOOKBACK_S
         self.journal_seen = {k: t for k, t in self.journal_seen.items() if t >= floor}
 
+    def _may_run(self, training: str) -> bool:
+        """Whether a training nobody journaled may still be running: a dated id that started within the
+        forget window (a finished one leaves the watch list at its run manifest, or at the window's end)."""
+        if not DATED_TRAINING_ID.fullmatch(training):
+            return False
+        started = calendar.timegm(time.strptime(training[:15], "%Y%m%dT%H%M%S"))
+        return self.now - started <= self.policy.forget_after_s
+
+    def _unjournaled(self, training: str, after: str | None) -> dict[str, Any]:
+        """A watch-list entry for a training nobody journaled: it ends with its run manifest."""
+        return {"after": after, "ended": f"{training_prefix(training)}/{MANIFEST_NAME}", "seen": self.now}
+
+    def discover(self) -> None:
+        """Trainings nobody journaled: dated folders of ``checkpoints/`` after the newest id seen, one listing
+        each (a tick with none: one listing, finding nothing). They are watched from their first checkpoint;
+        they leave on a run manifest (``checkpoints/<id>/_manifest.json``) or after a long silence."""
+        if self.walk is not None:  # the walk over the backlog has not seen every folder yet
+            return
+        # On a local folder, listing reads the whole folder: only while a training's folder was added lately.
+        # A listing right after a folder is made can miss it (its first file not written yet): each version is
+        # listed at two ticks before the listing stops.
+        version = self.bucket.folder_version(f"{layout.CHECKPOINTS}/")  # read before the listing
+        if version is not None and version == self.folders["listed_twice"]:
+            return
+        if version is not None and version == self.folders["listed"]:
+            self.folders["listed_twice"] = version
+        self.folders["listed"] = version
+        prefix = f"{layout.CHECKPOINTS}/2"  # dated ids start with their year
+        # A folder's keys all sort before ``<id>0`` and after ``<id>``: the next folder starts after it.
+        after = f"{layout.CHECKPOINTS}/{self.newest}0" if self.newest else None
+        for _ in range(DISCOVER_PER_TICK):
+            key = next(iter(self._list(prefix, after)), None)
+            if key is None:
+                return
+            training = key.split("/")[1]
+            after = f"{layout.CHECKPOINTS}/{training}0"
+            if not DATED_TRAINING_ID.fullmatch(training):
+                continue
+            self.newest = max(self.newest, training)
+            if training not in self.active:
+                self.active[training] = self._unjournaled(training, after=None)
+        self.folders["listed_twice"] = None  # more than a tick's worth: the next tick lists on from here
+
     def watch(self) -> None:
         """Each watched training, listed from its last complete checkpoint; ended ones leave."""
         order = sorted(self.active)
@@ -293,15 +348,22 @@ class _Scan:
                 self.result.forgotten.append((training, f"nothing new for {hours:.0f} h and no end marker"))
 
     def walk_backlog(self) -> None:
-        """Once, over what was there when the sensor was turned on: the latest N of each training."""
+        """Once, over what was there when the sensor was turned on: the latest N of each training; a dated
+        training nobody journaled that started within the forget window is watched from its last checkpoint
+        (it may be running), and the newest dated id is where :meth:`discover` starts."""
         walk = self.walk
         if walk is None:
             return
         keep = self.policy.backlog_per_training
 
         def flush() -> None:
-            if walk["training"] and walk["training"] not in self.active:
-                self._take(walk["latest"][-keep:])
+            training = walk["training"]
+            if training and training not in self.active:
+                if keep:
+                    self._take(walk["latest"][-keep:])
+                if walk["latest"] and self._may_run(training):  # nobody journaled it: watch it from here
+                    last = f"{checkpoint_prefix(walk['latest'][-1])}/{MANIFEST_NAME}"
+                    self.active[training] = self._unjournaled(training, after=last)
             walk["training"], walk["latest"] = None, []
 
         listed = 0
@@ -313,14 +375,17 @@ class _Scan:
                     return  # at a training's first key: the next tick starts with it
                 flush()
                 walk["training"] = training
+                if training and DATED_TRAINING_ID.fullmatch(training):
+                    walk["newest"] = max(walk.get("newest") or "", training)
             checkpoint = checkpoint_from_manifest_key(key)
             if checkpoint is not None:
-                walk["latest"] = [*walk["latest"], checkpoint][-keep:]
+                walk["latest"] = [*walk["latest"], checkpoint][-max(keep, 1) :]
             walk["after"] = key
             listed += 1
             if listed >= WALK_KEYS_PER_TICK:
                 return
         flush()
+        self.newest = max(self.newest, walk.get("newest") or "")
         self.walk = None  # the backlog is done
 
     def cursor(self) -> dict[str, Any]:
@@ -331,6 +396,8 @@ class _Scan:
             "active": self.active,
             "walk": self.walk,
             "next": self.next_training,
+            "newest": self.newest,
+            "folders": self.folders,
         }
 
 
@@ -355,6 +422,7 @@ def scan_checkpoints(
     """
     scan = _Scan(bucket, cursor or {}, policy or ScanPolicy(), time.time() if now is None else now)
     scan.read_journal()
+    scan.discover()
     scan.watch()
     if scan._room > 0:
         scan.walk_backlog()

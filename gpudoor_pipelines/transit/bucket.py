@@ -150,6 +150,11 @@ class TransitBucket(abc.ABC):
     def close(self) -> None:  # noqa: B027
         """Release threads and connections; the bucket stays usable (they come back on demand)."""
 
+    def folder_version(self, prefix: str) -> str | None:
+        """A token that changes when an entry is added directly under the folder ``prefix`` (``a/b/``), for a
+        caller that lists it only when it changed; None where the storage has none (S3: list every time)."""
+        return None
+
 
 def _atomic_write(dest: Path, data: FileData) -> None:
     """Write through a temp file in the destination folder, then rename: all or nothing."""
@@ -190,6 +195,13 @@ class LocalTransitBucket(TransitBucket):
 
     def exists(self, key: str) -> bool:
         return self.path_of(_clean(key)).is_file()
+
+    def folder_version(self, prefix: str) -> str | None:
+        # A folder's modification time moves when an entry is added to it or removed (not deeper down).
+        try:
+            return str(os.stat(self.path_of(prefix.strip("/"))).st_mtime_ns)
+        except OSError:
+            return ""
 
     def _put_many(self, items: Mapping[str, FileData]) -> None:
         with concurrent.futures.ThreadPoolExecutor(min(16, len(items))) as pool:
