@@ -3,7 +3,10 @@
 Environment:
     DATASET_URI: Parquet with ``image_id``, ``image_uri`` and ``caption`` columns; trains on the
         images that are not held out (see ``synthetic.is_heldout``).
-    OUTPUT_URI: checkpoints prefix; each checkpoint is ``step-XXXXXX/model.pt`` plus
+    OUTPUT_URI: checkpoints prefix (``<root>/checkpoints/<training id>``; given the folder of every training,
+        ``<root>/checkpoints/`` with its trailing slash, the training makes its own id, dated from the job's
+        SkyPilot task id, so the same on every node and every recovery of the job: ``<UTC submission
+        time>-<hash>``); each checkpoint is ``step-XXXXXX/model.pt`` plus
         ``step-XXXXXX/_manifest.json`` (written last) = {"step", "loss", "train_accuracy", "created_at"}
         (loss and accuracy averaged over the steps since the previous checkpoint, on rank 0).
     CHECKPOINTS_DIR: local scratch folder checkpoints are saved to before upload (created;
@@ -44,8 +47,10 @@ Rank 0 alone writes checkpoints and reports to Dagster: ``steps``, ``final_loss`
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -54,7 +59,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from gpudoor_pipelines.data import layout
-from gpudoor_pipelines.data.checkpoints import TrainingStart, check_training_id
+from gpudoor_pipelines.data.checkpoints import TrainingStart, check_training_id, new_training_id
 from gpudoor_pipelines.transit.bucket import MANIFEST_NAME
 from gpudoor_pipelines.transit.uris import bucket_for_uri, join, write_bytes
 from workloads.checkpoints import latest_checkpoint, read_manifest
@@ -96,7 +101,7 @@ def read_settings() -> tuple[dict[str, Any], str | None]:
             raise ConfigError(f"ENDED_MARKER_URI: {exc}") from None
     return dict(
         dataset_uri=env_str("DATASET_URI"),
-        output_uri=env_str("OUTPUT_URI"),
+        output_uri=own_training_folder(env_str("OUTPUT_URI")),
         checkpoints_dir=env_str("CHECKPOINTS_DIR", os.path.join(tempfile.gettempdir(), "gpudoor-checkpoints")),
         max_steps=env_int("MAX_STEPS", 60),
         checkpoint_every=env_int("CHECKPOINT_EVERY", 20),
@@ -110,6 +115,29 @@ def read_settings() -> tuple[dict[str, Any], str | None]:
         master_port=env_int("MASTER_PORT", 29500),
         dist_timeout_s=env_int("DIST_TIMEOUT_S", 60),
     ), ended_marker_uri
+
+
+def own_training_folder(output_uri: str) -> str:
+    """OUTPUT_URI as given; given the folder of every training (``<root>/checkpoints/``, the trailing slash
+    saying so), a folder of this training's own, named in the id format of :func:`new_training_id` from the
+    job's SkyPilot task id (its submission time and a hash of it): every rank, and every recovery of the job,
+    gets the same.
+
+    Raises:
+        ConfigError: no SkyPilot task id to make it from.
+    """
+    if not output_uri.endswith(f"/{layout.CHECKPOINTS}/"):
+        return output_uri
+    task_id = os.environ.get("SKYPILOT_TASK_ID", "")
+    submitted = re.search(r"sky-(?:managed-)?(\d{4}(?:-\d\d){5})", task_id)
+    if not submitted:
+        raise ConfigError(
+            f"OUTPUT_URI={output_uri} names the folder of every training, and there is no SkyPilot task id "
+            "(SKYPILOT_TASK_ID) to name this training from: give OUTPUT_URI=<that folder>/<training id>"
+        )
+    started = time.mktime(time.strptime(submitted.group(1), "%Y-%m-%d-%H-%M-%S"))  # SkyPilot's local time
+    training_id = new_training_id(hashlib.sha1(task_id.encode()).hexdigest(), now=started)
+    return join(output_uri, training_id)
 
 
 def journal_own_start(output_uri: str) -> str | None:

@@ -87,6 +87,9 @@ def test_missing_node_ips_is_a_config_error(dataset, bucket):
 # The ended marker (ENDED_MARKER_URI): written by rank 0 once a training is over, never on a signal.
 
 
+OWN_TASK_ID = "sky-managed-2026-12-06-12-00-00-123456_train_7-0"
+
+
 def _marker(uri: str) -> dict | None:
     return json.loads(storage.read_bytes(uri)) if exists(uri) else None
 
@@ -131,6 +134,13 @@ def ended_runs(bucket: str, dataset: str, tmp_path_factory: pytest.TempPathFacto
     sensor_cursor = scan_checkpoints(transit, None, now=time.time() - 1).cursor
     envs = {
         "self": env("self", OUTPUT_URI=storage.join(root, "transit", "checkpoints", self_id), ENDED_MARKER_URI=""),
+        # Given the checkpoints folder itself: the training names its own folder, from its SkyPilot task id.
+        "own-id": env(
+            "own-id",
+            OUTPUT_URI=storage.join(root, "own", "checkpoints") + "/",
+            ENDED_MARKER_URI="",
+            SKYPILOT_TASK_ID=OWN_TASK_ID,
+        ),
         "ok": env("ok"),
         "config": env("config", CHECKPOINT_EVERY="0"),
         "no_data": env("no_data", DATASET_URI=no_data),
@@ -220,6 +230,23 @@ def test_a_training_nobody_journaled_journals_itself_and_the_sensor_finds_its_ch
     # Its end marker is where the journal entry says: the tick after, the training leaves the watch list.
     assert scan(transit, found.cursor).forgotten == [(training, "ended")]
     assert entry and "journaled for the checkpoint sensor" in log
+
+
+def test_given_the_checkpoints_folder_a_training_names_its_own_the_same_on_every_recovery(ended_runs, monkeypatch):
+    rc, log, _, given = ended_runs["own-id"]
+    assert rc == 0, log
+    from workloads.train import own_training_folder
+
+    monkeypatch.setenv("SKYPILOT_TASK_ID", OWN_TASK_ID)  # what SkyPilot sets again on a recovered job
+    folder = own_training_folder(given)
+    training = folder.rsplit("/", 1)[1]
+    assert folder.startswith(given) and training.startswith("2026120") and len(training) == 24
+    assert _steps(folder) == [2, 4]
+    own = LocalTransitBucket(given.removeprefix("file://").rstrip("/").rsplit("/", 1)[0])
+    assert any(k.endswith(f"-{training}.json") for k in own.list_keys("trainings/"))  # journaled for the sensor
+    monkeypatch.delenv("SKYPILOT_TASK_ID")
+    with pytest.raises(Exception, match="OUTPUT_URI=.*names the folder of every training.*training id"):
+        own_training_folder(given)
 
 
 def test_ended_marker_when_already_complete(ended_runs):
