@@ -17,6 +17,26 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 SPECS_DIR = PROJECT_ROOT / "task_specs"
 
 
+def python_json(code: str, env: dict[str, str], *, drop: tuple[str, ...] = ()) -> dict:
+    """Runs ``code`` in a fresh interpreter (SkyPilot's state and config stay out of this process), with this
+    process's environment less the variables starting with one of ``drop``, plus ``env``; returns its last
+    stdout line, JSON."""
+    import json
+    import textwrap
+
+    base = {k: v for k, v in os.environ.items() if not (drop and k.startswith(drop))}
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env={**base, "SKYPILOT_DISABLE_USAGE_COLLECTION": "1", **env},
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def given_inputs(spec) -> dict[str, str]:
     """Values for a task spec's required inputs (``envs: {NAME: null}``), as a launch gives them."""
     return {name: f"s3://team/inputs/{name.lower()}" for name in spec.required}

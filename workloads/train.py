@@ -59,7 +59,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from gpudoor_pipelines.data import layout
-from gpudoor_pipelines.data.checkpoints import TrainingStart, check_training_id, new_training_id
+from gpudoor_pipelines.data.checkpoints import TrainingStart, check_training_id, new_training_id, training_prefix
 from gpudoor_pipelines.transit.bucket import MANIFEST_NAME
 from gpudoor_pipelines.transit.uris import bucket_for_uri, join, write_bytes
 from workloads.checkpoints import latest_checkpoint, read_manifest
@@ -156,7 +156,7 @@ def journal_own_start(output_uri: str) -> str | None:
     except ValueError as exc:
         raise ConfigError(f"OUTPUT_URI: {exc}") from None
     latest = latest_checkpoint(output_uri)
-    after = f"{layout.CHECKPOINTS}/{training_id}/{latest[1].rsplit('/', 1)[1]}/{MANIFEST_NAME}" if latest else None
+    after = f"{training_prefix(training_id)}/{latest[1].rsplit('/', 1)[1]}/{MANIFEST_NAME}" if latest else None
     start = TrainingStart(training_id=training_id, started_at=time.time(), after=after)
     write_bytes(join(root, start.journal_key), json.dumps(dataclasses.asdict(start)).encode())
     log(f"training {training_id}: journaled for the checkpoint sensor ({join(root, start.journal_key)})")

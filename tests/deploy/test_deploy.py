@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import re
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import PROJECT_ROOT
+from tests.conftest import PROJECT_ROOT, python_json
 
 DEPLOY = PROJECT_ROOT / "deploy"
 HELM_VALUES = DEPLOY / "helm" / "values.yaml"
@@ -675,25 +672,10 @@ def test_skypilot_config_matches_the_fleet():
             assert ctx["namespace"]
 
 
-def _run_python(code: str, env: dict[str, str]) -> dict:
-    """Runs ``code`` in a fresh interpreter (SkyPilot's config state stays out of this process); its last stdout line "
-    "is JSON."""
-    out = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env={**os.environ, "SKYPILOT_DISABLE_USAGE_COLLECTION": "1", **env},
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def test_api_server_loads_the_policy_without_dagster():
     """The policy loads the way the server loads it, with only what SkyPilot's image has (the Dockerfile's "
     "--no-deps)."""
-    result = _run_python(
+    result = python_json(
         """
         import importlib.abc, json, sys
         BLOCKED = ("dagster", "dagster_k8s", "torch", "pandas", "pyarrow", "boto3", "PIL", "upath")
@@ -733,7 +715,7 @@ def test_api_server_loads_the_policy_without_dagster():
 def test_with_postgres_skypilot_keeps_its_config_in_the_database(tmp_path):
     """Why deploy/README.md loads the config through the dashboard: with a database URI, SkyPilot 0.14.1
     refuses a server config file that holds more than the database."""
-    result = _run_python(
+    result = python_json(
         """
         import json
         try:

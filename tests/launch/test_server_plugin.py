@@ -7,14 +7,11 @@ the plugin runs where the server runs it, in a request executor.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import PROJECT_ROOT, python_json
 
 _SCRIPT = """
 import json, os, subprocess, sys
@@ -79,32 +76,17 @@ print(json.dumps({
 def _run(tmp_path: Path) -> dict:
     home = tmp_path / "home"
     (home / ".sky").mkdir(parents=True, exist_ok=True)
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("SKYPILOT_API_SERVER", "SKYPILOT_GLOBAL_CONFIG", "SKYPILOT_CONFIG"))
-    }
-    env.update(
+    env = dict(
         HOME=str(home),
-        SKYPILOT_DISABLE_USAGE_COLLECTION="1",
         # The deployment's plugins file, as the server reads it.
         SKYPILOT_SERVER_PLUGINS_CONFIG=str(PROJECT_ROOT / "deploy" / "skypilot" / "plugins.yaml"),
         # The controller's table program finds this interpreter (SkyPilot's `which python3`).
-        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         PYTHONPATH=str(PROJECT_ROOT),
         # SkyPilot's own switch for "the jobs controller runs in this server" (consolidation mode).
         IS_SKYPILOT_JOB_CONTROLLER="1",
     )
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_SCRIPT)],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return python_json(_SCRIPT, env, drop=("SKYPILOT_API_SERVER", "SKYPILOT_GLOBAL_CONFIG", "SKYPILOT_CONFIG"))
 
 
 def test_the_jobs_and_pools_tables_are_skypilots_own_answer_read_without_a_process_when_the_controller_is_in_the_server(

@@ -32,14 +32,21 @@ from sky.serve import runner as pool_status_runner  # noqa: E402
 from sky.server import plugins  # noqa: E402
 
 
-class InProcessJobTable:
+class _Wrapping:
+    """A SkyPilot runner in front of the one it replaces: what it does not do itself goes to that one."""
+
+    def __init__(self, fallback: Any) -> None:
+        self._fallback = fallback
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fallback, name)
+
+
+class InProcessJobTable(_Wrapping):
     """SkyPilot's managed-jobs runner, with the table read in this process where the controller is.
 
     Everything but the table (cancels, log streams, events) goes to the runner it replaces.
     """
-
-    def __init__(self, fallback: Any) -> None:
-        self._fallback = fallback
 
     def fetch_managed_job_table(self, *, handle: Any, backend: Any, **query: Any) -> tuple:
         from sky.jobs import utils as managed_job_utils
@@ -50,15 +57,9 @@ class InProcessJobTable:
         # with its encoding (statuses, user names) and nothing of this process's own objects.
         return managed_job_utils.load_managed_job_queue(managed_job_utils.dump_managed_job_queue(**query))
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._fallback, name)
 
-
-class InProcessPoolStatus:
+class InProcessPoolStatus(_Wrapping):
     """SkyPilot's pool and service status runner, with the table read in this process where the controller is."""
-
-    def __init__(self, fallback: Any) -> None:
-        self._fallback = fallback
 
     def get_service_status(self, *, handle: Any, service_names: list[str] | None, pool: bool) -> list[dict[str, Any]]:
         from sky.serve import serve_utils
@@ -67,9 +68,6 @@ class InProcessPoolStatus:
             return self._fallback.get_service_status(handle=handle, service_names=service_names, pool=pool)
         # Through the payload the controller's process prints, as for the jobs table.
         return serve_utils.load_service_status(serve_utils.get_service_status_encoded(service_names, pool=pool))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._fallback, name)
 
 
 class JobTablePlugin(plugins.BasePlugin):
