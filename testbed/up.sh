@@ -12,7 +12,9 @@
 #   GPUDOOR_TESTBED_LOG_DIR       logs                           (default $ROOT/log)
 #   GPUDOOR_TESTBED_API_PORT      API server port                (default 46590)
 #   GPUDOOR_TESTBED_ADMIN_POLICY  module.Class -> `admin_policy:` in the server config
+#                                 (default: the project's policy; empty: none)
 #   GPUDOOR_TESTBED_PLUGINS       the server's plugins file (SKYPILOT_SERVER_PLUGINS_CONFIG)
+#                                 (default: deploy/skypilot/plugins.yaml; empty: none)
 #   GPUDOOR_TESTBED_READY_TIMEOUT seconds to wait for SkyPilot to see both partitions (default 240)
 # Writes testbed/.state/env (exports for clients) and prints it.
 # The whole script is one function, parsed before it runs: editing the file while it runs
@@ -22,6 +24,11 @@ set -euo pipefail
 
 # shellcheck source=lib/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
+
+# The bed's API server runs what a team's runs (deploy/skypilot): the project's admin policy and its server
+# plugins, whoever brings the bed up (CI, `make test`, a developer). Set either to empty for a stock server.
+GPUDOOR_TESTBED_ADMIN_POLICY="${GPUDOOR_TESTBED_ADMIN_POLICY-gpudoor_pipelines.launch.server.policy.GpuDoorPolicy}"
+GPUDOOR_TESTBED_PLUGINS="${GPUDOOR_TESTBED_PLUGINS-$REPO_ROOT/deploy/skypilot/plugins.yaml}"
 
 # A caller that already loaded testbed/.state/env must not leak client settings into the
 # daemons started here.
@@ -397,6 +404,7 @@ fi
 
 # ---------------------------------------------------------------- API server
 step "SkyPilot API server on $API_ENDPOINT"
+log "admin policy: ${GPUDOOR_TESTBED_ADMIN_POLICY:-none}; plugins: ${GPUDOOR_TESTBED_PLUGINS:-none}"
 # The deployment's key for the run identity on jobs (gpudoor-signature): the launcher signs with it,
 # the server's policy keeps a job's dagster-* labels only when they are signed with it.
 LABEL_KEY_FILE="$STATE_DIR/label.key"

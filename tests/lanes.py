@@ -49,11 +49,6 @@ BED_RERUN = [
     r"^(AssertionError|Failed|Timeout)",
 ]
 SLURM = "tests/slurm"
-#: The bed's API server runs what a team's runs (deploy/skypilot): the project's admin policy and its plugins.
-BED_SERVER_ENV = {
-    "GPUDOOR_TESTBED_ADMIN_POLICY": "gpudoor_pipelines.launch.server.policy.GpuDoorPolicy",
-    "GPUDOOR_TESTBED_PLUGINS": str(REPO_ROOT / "deploy" / "skypilot" / "plugins.yaml"),
-}
 
 
 @dataclasses.dataclass
@@ -145,13 +140,11 @@ def _bring_up_bed(reports: Path) -> bool:
     log = reports / "bed-up.log"
     print(f"bringing the Slurm test bed up (log: {log}) ...", flush=True)
     started = time.monotonic()
-    env = {**BED_SERVER_ENV, **os.environ}
     with open(log, "w") as out:
         code = subprocess.call(
             ["bash", "-c", f"bash {TESTBED / 'up.sh'} && bash {TESTBED / 'node_env.sh'}"],
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=env,
             start_new_session=True,
         )
     print(

@@ -23,8 +23,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.lanes import BED_SERVER_ENV
-
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TESTBED_DIR = REPO_ROOT / "testbed"
 ENV_FILE = TESTBED_DIR / ".state" / "env"
@@ -250,8 +248,6 @@ def _bring_up() -> None:
     if os.geteuid() != 0:
         pytest.skip("Slurm test bed is not up and testbed/up.sh needs root")
     started = time.time()
-    # The bed runs the project's admin policy and server plugins, as a team's API server does.
-    env = {**BED_SERVER_ENV, **os.environ}
     # Its output goes to a file, not a pipe: the daemons it starts would hold a pipe open, and a wait for
     # the pipe's end would outlive the timeout.
     log = TESTBED_DIR / ".bring-up.log"
@@ -260,7 +256,6 @@ def _bring_up() -> None:
             ["bash", "-c", f"bash {TESTBED_DIR / 'up.sh'} && bash {TESTBED_DIR / 'node_env.sh'}"],
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=env,
             start_new_session=True,
         )
         try:
