@@ -22,12 +22,17 @@ managed-jobs controllers it spawns, and clients. It does nothing unless
 
    A look at a job on a cluster is not free: SkyPilot runs a Python program on the node over SSH that
    imports SkyPilot (about 1.5 CPU-s here). The looks that repeat for as long as a job or a warm pool's
-   worker lives (a job's status check, a pool's job status fetch and readiness probe) are spaced so
-   that, with two bed lanes side by side, they leave the 2-core machine room for everything else:
-   a few seconds more before an ended or preempted job is seen, against a machine that stays responsive.
+   worker lives are spaced so that, with two bed lanes side by side, they leave the 2-core machine room
+   for everything else: a job's status check every 10 s (SkyPilot: 15 s); a warm pool's worker keeps
+   SkyPilot's own spacing (a readiness probe every 10 s and a job status fetch every 30 s, both a look at
+   the worker's setup job), the largest share of the bed's looks when it was shortened: a worker is seen
+   ready a few seconds later, and the machine keeps the CPU for the jobs the tests watch.
+
+This module runs at the start of every Python process of the venv, most of them short (SkyPilot starts
+one per command it runs, to watch it): it imports nothing beyond ``os`` and ``sys`` until a target
+module is imported.
 """
 
-import importlib.abc
 import os
 import sys
 
@@ -48,13 +53,10 @@ _WAITS = {
     "sky.serve.replica_managers": {
         "_RETRY_INIT_GAP_SECONDS": 5,
         "_PROCESS_POOL_REFRESH_INTERVAL": 3,
-        "_JOB_STATUS_FETCH_INTERVAL": 10,
     },
     "sky.serve.constants": {
         "AUTOSCALER_DEFAULT_DECISION_INTERVAL_SECONDS": 3,
         "AUTOSCALER_NO_REPLICA_DECISION_INTERVAL_SECONDS": 2,
-        "DEFAULT_ENDPOINT_PROBE_INTERVAL_SECONDS": 5,
-        "ENDPOINT_PROBE_INTERVAL_SECONDS": 5,
     },
 }
 
@@ -75,10 +77,15 @@ def _targets() -> set:
     return {_PROBE_MODULE, *_WAITS}
 
 
-class _PatchingLoader(importlib.abc.Loader):
+class _PatchingLoader:
+    """The module's own loader, which patches the module once it has run; the rest is the loader's own."""
+
     def __init__(self, wrapped, name):
         self._wrapped = wrapped
         self._name = name
+
+    def __getattr__(self, name):  # get_source, get_resource_reader, is_package, ...
+        return getattr(self._wrapped, name)
 
     def create_module(self, spec):
         return self._wrapped.create_module(spec)
@@ -88,7 +95,7 @@ class _PatchingLoader(importlib.abc.Loader):
         _patch(self._name, module)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
+class _Finder:
     def find_spec(self, fullname, path, target=None):
         if fullname not in _targets():
             return None
