@@ -14,15 +14,20 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
 
 [[ "$(id -u)" == 0 ]] || { echo "testbed/down.sh must run as root" >&2; exit 1; }
 
-# Processes that carry the marker up.sh puts into the API server's environment: the server,
-# its workers, and the consolidated job controllers (these run in their own sessions).
+# The API server's processes: those that carry the marker up.sh puts into the server's environment (the
+# server, the consolidated job controllers, which run in sessions of their own), and those still in the folder
+# up.sh starts the server in, its HOME: SkyPilot's request executors write their process title
+# (`SkyPilot:executor:...`) over their environment, so the marker cannot be read there. An executor that
+# outlived its server (the server killed by its PID, say) is found the same way.
 marked_pids() {
-  local marker="GPUDOOR_TESTBED_OWNER=api-server:$API_PORT:$BED_HOME" envf pid
-  for envf in /proc/[0-9]*/environ; do
-    pid="${envf#/proc/}"
-    pid="${pid%/environ}"
+  local marker="GPUDOOR_TESTBED_OWNER=api-server:$API_PORT:$BED_HOME" dir pid
+  for dir in /proc/[0-9]*; do
+    pid="${dir#/proc/}"
     [[ "$pid" == "$$" || "$pid" == "$BASHPID" ]] && continue
-    { tr '\0' '\n' <"$envf"; } 2>/dev/null | grep -qxF "$marker" && echo "$pid"
+    if [[ "$(readlink "$dir/cwd" 2>/dev/null)" == "$BED_HOME" ]] ||
+      { tr '\0' '\n' <"$dir/environ"; } 2>/dev/null | grep -qxF "$marker"; then
+      echo "$pid"
+    fi
   done
 }
 
@@ -67,6 +72,15 @@ if [[ -n "${left// /}" ]]; then
   log "killing API-server processes that did not stop: $left"
   # shellcheck disable=SC2086
   kill -KILL $left 2>/dev/null || true
+  for _ in $(seq 1 20); do
+    left="$(marked_pids | tr '\n' ' ')"
+    [[ -z "${left// /}" ]] && break
+    sleep 0.25
+  done
+  if [[ -n "${left// /}" ]]; then
+    log "API-server processes still running after SIGKILL: $left"
+    STILL_RUNNING=1
+  fi
 fi
 rm -f "$BED_RUN/api-server.fingerprint" "$BED_RUN/api-server.ready"
 
@@ -114,6 +128,10 @@ if [[ "${1:-}" == "--purge" ]]; then
   esac
   log "purging $BED_ROOT, $STATE_DIR and SkyPilot's cluster dirs of $LOGIN_USER"
   rm -rf "$BED_ROOT" "$STATE_DIR" "$LOGIN_HOME/sky-clusters" /tmp/gpudoor-sky-runtime
+fi
+if [[ -n "${STILL_RUNNING:-}" ]]; then
+  log "test bed down, but some of its server's processes still run (above)"
+  exit 1
 fi
 log "test bed down"
 }
