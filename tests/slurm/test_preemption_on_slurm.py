@@ -3,9 +3,10 @@ and the materialization says what the preemption cost.
 
 Nothing is faked: the project's train spec (``task_specs/train.yaml``, on one node of one fake H200 so it
 fits the bed) runs ``workloads.train`` as a managed job through the bed's API server, with its data and
-checkpoints in the S3 transit bucket on 127.0.0.1. Once the job has published a checkpoint, its Slurm
-allocation is cancelled with ``scancel``, which is how Slurm takes nodes back; SkyPilot's controller sees
-the cluster gone and recovers the job on a new allocation (``job_recovery: FAILOVER``).
+checkpoints in the S3 transit bucket on 127.0.0.1. Once the step has seen the job run and the job has
+published a checkpoint, its Slurm allocation is cancelled with ``scancel``, which is how Slurm takes nodes
+back; SkyPilot's controller sees the cluster gone and recovers the job on a new allocation
+(``job_recovery: FAILOVER``).
 """
 
 import io
@@ -21,10 +22,14 @@ import yaml
 
 from gpudoor_pipelines.data.synthetic import caption_text, generate_image, image_id
 from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
-from tests.slurm.conftest import Preempter, running_allocation, scancel, squeue
+from tests.slurm.conftest import Preempter, managed_record, running_allocation, scancel, squeue
 from tests.slurm.test_client_on_slurm import BED_FLEET, REPO_ROOT
 
 MAX_STEPS, CHECKPOINT_EVERY = 40, 10
+#: The step's longest wait between looks at its job (the client's ``max_poll_interval_s``). What a preemption
+#: cost is known only when the step saw the job run before it (``launch/record/goodput.py``): the job is
+#: preempted once SkyPilot's queue has said RUNNING for longer than this.
+STEP_LOOKS_EVERY_S = 4.0
 #: From the job's submission to the end of the recovered run: provisioning, the preemption seen by
 #: SkyPilot's controller (measured 20-35 s), the recovery (about 30 s on the idle bed), the rest of the run.
 PATIENCE_S = 900.0
@@ -85,6 +90,7 @@ def test_a_preempted_training_resumes_from_its_last_checkpoint_and_says_what_it_
         fleet_file=str(BED_FLEET),
         specs_dir=str(_one_node_train_spec(tmp_path)),
         poll_interval_s=2.0,
+        max_poll_interval_s=STEP_LOOKS_EVERY_S,
         transit=transit,
     )
 
@@ -101,11 +107,19 @@ def test_a_preempted_training_resumes_from_its_last_checkpoint_and_says_what_it_
 
     instance = dg.DagsterInstance.ephemeral()
 
+    running_since: list[float] = []
+
     def preempt_after_first_checkpoint() -> dict | None:
         runs = instance.get_runs()
         job_ids = [v.split(":", 1)[1] for r in runs for k, v in r.tags.items() if k.startswith("gpudoor/job-")]
+        if not job_ids:
+            return None
+        if not running_since:
+            if managed_record(int(job_ids[0])).status.value == "RUNNING":
+                running_since.append(time.monotonic())
+            return None
         saved = _checkpoints(bucket, output)
-        if not job_ids or not saved:
+        if not saved or time.monotonic() - running_since[0] <= STEP_LOOKS_EVERY_S + 1:
             return None
         allocation = running_allocation(int(job_ids[0]))
         if allocation is None:
