@@ -15,8 +15,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
 [[ "$(id -u)" == 0 ]] || { echo "testbed/down.sh must run as root" >&2; exit 1; }
 
 # The API server's processes: those that carry the marker up.sh puts into the server's environment (the
-# server, the consolidated job controllers, which run in sessions of their own), and those still in the folder
-# up.sh starts the server in, its HOME: SkyPilot's request executors write their process title
+# server, the consolidated job controllers, which run in sessions of their own), and SkyPilot's processes in
+# the folder up.sh starts the server in, its HOME: its request executors write their process title
 # (`SkyPilot:executor:...`) over their environment, so the marker cannot be read there. An executor that
 # outlived its server (the server killed by its PID, say) is found the same way.
 marked_pids() {
@@ -24,7 +24,8 @@ marked_pids() {
   for dir in /proc/[0-9]*; do
     pid="${dir#/proc/}"
     [[ "$pid" == "$$" || "$pid" == "$BASHPID" ]] && continue
-    if [[ "$(readlink "$dir/cwd" 2>/dev/null)" == "$BED_HOME" ]] ||
+    if { [[ "$(head -c 9 "$dir/cmdline" 2>/dev/null)" == "SkyPilot:" ]] &&
+      [[ "$(readlink "$dir/cwd" 2>/dev/null)" == "$BED_HOME" ]]; } ||
       { tr '\0' '\n' <"$dir/environ"; } 2>/dev/null | grep -qxF "$marker"; then
       echo "$pid"
     fi
