@@ -74,7 +74,8 @@ if [[ -n "${left// /}" ]]; then
   # shellcheck disable=SC2086
   kill -KILL $left 2>/dev/null || true
   for _ in $(seq 1 20); do
-    left="$(marked_pids | tr '\n' ' ')"
+    # shellcheck disable=SC2086
+    left="$(for pid in $left; do kill -0 "$pid" 2>/dev/null && echo "$pid"; done | tr '\n' ' ')"
     [[ -z "${left// /}" ]] && break
     sleep 0.25
   done
