@@ -69,6 +69,7 @@ def _isolated_homes(tmp_path_factory, monkeypatch):
 
 
 def _forget_process_state() -> None:
+    from gpudoor_pipelines import outage
     from gpudoor_pipelines.launch import watch
     from gpudoor_pipelines.launch.backends import skypilot as skypilot_backend
     from gpudoor_pipelines.launch.backends import step_clusters
@@ -77,6 +78,7 @@ def _forget_process_state() -> None:
     step_clusters._STEPS.clear()
     skypilot_backend._USAGE_CACHE.clear()
     skypilot_backend._USAGE_STALE.clear()
+    outage._SERVICES.clear()  # which services answered, and since when one has not
 
 
 @pytest.fixture

@@ -40,13 +40,19 @@ MODEL = "color-shape-v1"
 class Night:
     """A code location of the captioning assets on a fleet whose caption pool lends ``free_gpus`` GPUs."""
 
-    def __init__(self, tmp_path: Path, free_gpus: int) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        free_gpus: int,
+        transit: TransitBucketResource | None = None,
+        instance: dg.DagsterInstance | None = None,
+    ) -> None:
         fleet = yaml.safe_load((SPECS_DIR / "fleet.yaml").read_text())
         fleet["pools"]["onprem"].update(gpu_cap=free_gpus, max_gpus_per_user=free_gpus)
         fleet["routes"]["caption"] = ["onprem"]
         (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(fleet))
         self.home = tmp_path / "home"
-        self.transit = TransitBucketResource(kind="local", local_root=str(tmp_path / "bucket"))
+        self.transit = transit or TransitBucketResource(kind="local", local_root=str(tmp_path / "bucket"))
         self.skypilot = PipesSkyPilotClient(
             backend="local",
             fleet_file=str(tmp_path / "fleet.yaml"),
@@ -63,7 +69,7 @@ class Night:
                 "io_manager": TransitIOManager(transit=self.transit),
             },
         )
-        self.instance = dg.DagsterInstance.ephemeral()
+        self.instance = instance or dg.DagsterInstance.ephemeral()
         self.bucket = self.transit.get_bucket()
 
     def materialize(

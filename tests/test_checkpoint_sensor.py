@@ -47,11 +47,11 @@ def write_checkpoint(bucket: TransitBucket, training: str, step: int, *, complet
 class Door:
     """The sensor with its resources, a Dagster instance, and a clock the test moves."""
 
-    def __init__(self, tmp_path: Path, **evaluation: float) -> None:
+    def __init__(self, tmp_path: Path, transit: TransitBucketResource | None = None, **evaluation: float) -> None:
         fleet = yaml.safe_load((SPECS_DIR / "fleet.yaml").read_text())
         fleet["evaluation"] = {**fleet.get("evaluation", {}), **evaluation}
         (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(fleet))
-        self.transit = TransitBucketResource(kind="local", local_root=str(tmp_path / "bucket"))
+        self.transit = transit or TransitBucketResource(kind="local", local_root=str(tmp_path / "bucket"))
         self.skypilot = PipesSkyPilotClient(
             backend="local",
             fleet_file=str(tmp_path / "fleet.yaml"),

@@ -31,6 +31,7 @@ from pydantic import Field
 
 from gpudoor_pipelines.assets.k8s import cpu_step_tags
 from gpudoor_pipelines.automation.reconcile import Release, RunFacts, claimed_run, named_runs, plan_releases
+from gpudoor_pipelines.automation.sensors import riding_out
 from gpudoor_pipelines.launch.client import PipesSkyPilotClient
 from gpudoor_pipelines.launch.events import report_unconfirmed
 from gpudoor_pipelines.launch.job import Holding
@@ -222,6 +223,10 @@ def release_held_gpus_job() -> None:
 def orphan_reconciler(context: dg.SensorEvaluationContext, skypilot: PipesSkyPilotClient) -> dg.SensorResult:
     """Releases jobs and warm pools whose Dagster run has ended or is unknown, and interactive clusters past
     their time to live (see the module docstring)."""
+    return riding_out(lambda: _reconciler_tick(context, skypilot))
+
+
+def _reconciler_tick(context: dg.SensorEvaluationContext, skypilot: PipesSkyPilotClient) -> dg.SensorResult:
     cursor = json.loads(context.cursor) if context.cursor else {}
     policy = skypilot.get_fleet().reconciler
     dead = dead_runs(context.instance)

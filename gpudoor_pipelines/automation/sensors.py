@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 import dagster as dg
 
+from gpudoor_pipelines import outage
 from gpudoor_pipelines.assets.partitions import checkpoint_partitions
 from gpudoor_pipelines.automation.jobs import eval_job
 from gpudoor_pipelines.data.checkpoints import ScanPolicy, scan_checkpoints
@@ -26,8 +27,23 @@ from gpudoor_pipelines.launch.client import PipesSkyPilotClient
 from gpudoor_pipelines.launch.resolve.fleet import EvalPolicy
 from gpudoor_pipelines.transit.resource import TransitBucketResource
 
+#: How long one tick waits out an outage of the bucket or the API server before it skips (the next tick goes on).
+TICK_WAIT_S = 20.0
 RANGE_START = "dagster/asset_partition_range_start"
 RANGE_END = "dagster/asset_partition_range_end"
+
+
+def riding_out(tick: Callable[[], dg.SensorResult]) -> dg.SensorResult:
+    """A sensor's tick that waits out an outage of a service for at most ``TICK_WAIT_S``, then skips with the
+    cursor kept, so the next tick goes on where this one stopped; an outage past the tolerance fails the tick,
+    naming the service and how long it has been away."""
+    try:
+        with outage.waiting_at_most(TICK_WAIT_S):
+            return tick()
+    except outage.ServiceUnavailable as e:
+        if e.past_bound:
+            raise
+        return dg.SensorResult(skip_reason=f"{e}; the cursor is kept: the next tick goes on from it")
 
 
 def scan_policy(policy: EvalPolicy) -> ScanPolicy:
@@ -77,6 +93,12 @@ def new_checkpoint_sensor(
     context: dg.SensorEvaluationContext, transit: TransitBucketResource, skypilot: PipesSkyPilotClient
 ) -> dg.SensorResult:
     """Adds a partition for each new checkpoint and requests its evaluation, a few per run."""
+    return riding_out(lambda: _checkpoint_tick(context, transit, skypilot))
+
+
+def _checkpoint_tick(
+    context: dg.SensorEvaluationContext, transit: TransitBucketResource, skypilot: PipesSkyPilotClient
+) -> dg.SensorResult:
     policy = skypilot.get_fleet().evaluation
     cursor = json.loads(context.cursor) if context.cursor else None
     result = scan_checkpoints(transit.get_bucket(), cursor, scan_policy(policy), now=time.time())

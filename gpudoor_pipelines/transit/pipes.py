@@ -15,7 +15,7 @@ from typing import Any
 import dagster as dg
 
 from gpudoor_pipelines.transit.bucket import PIPES_PREFIX, TransitBucket
-from gpudoor_pipelines.transit.s3 import S3TransitBucket
+from gpudoor_pipelines.transit.s3 import S3TransitBucket, transient
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ def pipes_context_injector(bucket: TransitBucket) -> dg.PipesContextInjector:
     if not isinstance(bucket, S3TransitBucket):
         return dg.PipesTempFileContextInjector()
     prefix = bucket._full(f"{PIPES_PREFIX}/context/")
-    return _s3_classes()[0](bucket=bucket.bucket, client=bucket.client, key_prefix=prefix)
+    return _s3_classes()[0](bucket=bucket.bucket, client=bucket.client, key_prefix=prefix, service=bucket.service)
 
 
 def pipes_message_reader(bucket: TransitBucket, interval: float = 5.0) -> dg.PipesMessageReader:
@@ -34,7 +34,9 @@ def pipes_message_reader(bucket: TransitBucket, interval: float = 5.0) -> dg.Pip
     if not isinstance(bucket, S3TransitBucket):
         return dg.PipesTempFileMessageReader()
     prefix = bucket._full(f"{PIPES_PREFIX}/messages/")
-    return _s3_classes()[1](bucket=bucket.bucket, client=bucket.client, key_root=prefix, interval=interval)
+    return _s3_classes()[1](
+        bucket=bucket.bucket, client=bucket.client, key_root=prefix, interval=interval, service=bucket.service
+    )
 
 
 @functools.cache
@@ -43,12 +45,22 @@ def _s3_classes() -> tuple[type, type]:  # on first use: importing dagster_aws c
     from dagster_pipes import PipesBlobStoreMessageWriter
 
     class TransitPipesS3ContextInjector(PipesS3ContextInjector):
-        """Deletes the context object however the session ends (the stock one: only on success)."""
+        """Deletes the context object however the session ends (the stock one: only on success); waits out an
+        outage of the bucket while writing it."""
+
+        def __init__(self, *, service: Any, **kwargs: Any):
+            super().__init__(**kwargs)
+            self.service = service
 
         @contextlib.contextmanager
         def inject_context(self, context: Any):
             key = f"{self.key_prefix}{secrets.token_hex(12)}/context.json"
-            self.client.put_object(Body=json.dumps(context).encode(), Bucket=self.bucket, Key=key)
+            body = json.dumps(context).encode()
+            self.service.call(
+                lambda: self.client.put_object(Body=body, Bucket=self.bucket, Key=key),
+                transient,
+                "writing a Pipes context",
+            )
             try:
                 yield {"bucket": self.bucket, "key": key}
             finally:
@@ -60,11 +72,13 @@ def _s3_classes() -> tuple[type, type]:  # on first use: importing dagster_aws c
         Done once the session has closed and one look after that found no new chunk. The session closes when
         the job has ended, so everything it wrote is in the bucket by then; the stock reader, not knowing that,
         waited ten more seconds for a job that never says goodbye (a plain script, or one that crashed).
+        An outage of the bucket is waited out (the stock reader's thread dies of it, and the messages after it
+        are lost; a 5xx it takes for "no chunk yet").
         """
 
-        def __init__(self, *, key_root: str, **kwargs: Any):
+        def __init__(self, *, key_root: str, service: Any, **kwargs: Any):
             super().__init__(include_stdio_in_messages=False, **kwargs)
-            self.key_root = key_root
+            self.key_root, self.service = key_root, service
             self._closing = self._drained = False
             self.looks_after_close = 0  # downloads tried after the session closed (for tests)
 
@@ -78,14 +92,38 @@ def _s3_classes() -> tuple[type, type]:  # on first use: importing dagster_aws c
                     self._closing = True
 
         def messages_are_readable(self, params: Any) -> bool:
-            return self._looked(super().messages_are_readable, params)  # False: the job wrote nothing
+            return self._looked(self._first_chunk_written, params)  # False: the job wrote nothing
+
+        def _first_chunk_written(self, params: Any) -> bool:
+            from botocore.exceptions import ClientError
+
+            if params.get("key_prefix") is None:
+                return False
+            try:
+                self.client.head_object(Bucket=self.bucket, Key=f"{params['key_prefix']}/1.json")
+            except ClientError as e:
+                if transient(e):
+                    raise
+                return False
+            return True
 
         def download_messages(self, cursor: Any, params: Any) -> Any:
             return self._looked(lambda p: super(TransitPipesS3MessageReader, self).download_messages(cursor, p), params)
 
+        def download_messages_chunk(self, index: int, params: Any) -> str | None:
+            from botocore.exceptions import ClientError
+
+            try:
+                obj = self.client.get_object(Bucket=self.bucket, Key=f"{params['key_prefix']}/{index}.json")
+            except ClientError as e:
+                if transient(e):
+                    raise
+                return None  # not written yet
+            return obj["Body"].read().decode("utf-8")
+
         def _looked(self, look: Any, params: Any) -> Any:
             closing = self._closing
-            result = look(params)
+            result = self.service.call(lambda: look(params), transient, "reading a job's Pipes messages")
             if closing:
                 self.looks_after_close += 1
                 self._drained = self._drained or not result

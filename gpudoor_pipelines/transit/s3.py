@@ -1,4 +1,5 @@
-"""The transit bucket on S3 or any S3-compatible endpoint: boto3's transfer manager, botocore's retries.
+"""The transit bucket on S3 or any S3-compatible endpoint: boto3's transfer manager, botocore's retries, and
+an outage of the endpoint waited out (:mod:`gpudoor_pipelines.outage`).
 
 No Dagster: GPU nodes import this.
 """
@@ -12,9 +13,10 @@ import io
 import logging
 import os
 import threading
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
+from gpudoor_pipelines import outage
 from gpudoor_pipelines.transit.bucket import (
     FileData,
     MiB,
@@ -40,11 +42,29 @@ _FIX = {
     **dict.fromkeys(["EndpointConnectionError", "ConnectTimeoutError", "SSLError"], _ENDPOINT),
 }
 _MISSING = ("404", "NoSuchKey", "NotFound")
+# What a server that is there says when it is overloaded or failing for a while (besides any 5xx)
+_BUSY = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestLimitExceeded"}
+T = TypeVar("T")
 _CRED_ARGS = ("aws_access_key_id", "aws_secret_access_key", "aws_session_token")
 _CHECKSUMS = dict.fromkeys(["request_checksum_calculation", "response_checksum_validation"], "when_required")
 # S3-compatible servers: path-style addressing, and checksums only where the API requires them
 _THIRD_PARTY = {"s3": {"addressing_style": "path"}, **_CHECKSUMS}
 _LOCK = threading.RLock()  # boto3 sessions are not thread-safe (the clients they make are)
+
+
+def transient(error: BaseException) -> bool:
+    """Whether a botocore failure is one an S3 endpoint that is there can give for a while: no connection, a
+    connection dropped or timed out, a 5xx, throttling (looked for down the exception's chain)."""
+    from botocore.exceptions import ClientError, ConnectionError, HTTPClientError, SSLError
+
+    while error is not None:
+        if isinstance(error, (ConnectionError, HTTPClientError)) and not isinstance(error, SSLError):
+            return True
+        if isinstance(error, ClientError):
+            status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            return int(status) >= 500 or error.response.get("Error", {}).get("Code") in _BUSY
+        error = error.__cause__ or error.__context__
+    return False
 
 
 @functools.cache
@@ -64,7 +84,9 @@ class S3TransitBucket(TransitBucket):
             AWS_PROFILE, instance role). Never logged, never in ``repr``.
         verify: TLS certificate check (None = on; a CA bundle: AWS_CA_BUNDLE).
         max_concurrency, multipart_threshold, multipart_chunksize: requests in flight; bytes.
-        max_attempts: botocore's attempts per request (the first counts), with backoff.
+        max_attempts: botocore's attempts per request (the first counts), with backoff; past them, an endpoint
+            that answered before is waited for as an outage (``GPUDOOR_OUTAGE_TOLERANCE_S``).
+        answered: treat the endpoint as one that answered before (a job given settings the door checked).
     """
 
     def __init__(
@@ -82,6 +104,7 @@ class S3TransitBucket(TransitBucket):
         multipart_threshold: int = 64 * MiB,
         multipart_chunksize: int = 64 * MiB,
         max_attempts: int = 5,
+        answered: bool = False,
     ):
         if not bucket or "/" in bucket:
             raise TransitConfigError(f"`bucket` (GPUDOOR_S3_BUCKET) must be a bare bucket name: {bucket!r}")
@@ -97,9 +120,25 @@ class S3TransitBucket(TransitBucket):
         creds = (access_key_id, secret_access_key, session_token)
         self.__creds = {name: v or None for name, v in zip(_CRED_ARGS, creds, strict=True)}  # shown nowhere
         self._checked, self._client, self._tm = False, None, None
+        self.service = outage.service(f"the transit bucket {self.root_uri} at {self.endpoint_url or 'AWS S3'}")
+        if answered:
+            self.service.ok()
 
     def __getstate__(self) -> dict:  # copyable and picklable: client and transfer manager are made anew
-        return {**self.__dict__, "_client": None, "_tm": None}
+        return {**self.__dict__, "_client": None, "_tm": None, "service": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.service = outage.service(f"the transit bucket {self.root_uri} at {self.endpoint_url or 'AWS S3'}")
+
+    def _call(self, doing: str, fn: Callable[[], T], key: str | None = None, limit_s: float | None = None) -> T:
+        """``fn()`` with its errors made clear (:meth:`_errors`) and an outage waited out."""
+
+        def attempt() -> T:
+            with self._errors(doing, key):
+                return fn()
+
+        return self.service.call(attempt, transient, doing, limit_s=limit_s)
 
     def _full(self, key: str) -> str:
         return _folder(self.prefix) + key
@@ -165,7 +204,8 @@ class S3TransitBucket(TransitBucket):
 
     @contextlib.contextmanager
     def _errors(self, during: str, key: str | None = None) -> Iterator[None]:
-        """A missing ``key`` -> TransitObjectMissing; a bad setting -> one TransitConfigError naming it."""
+        """A missing ``key`` -> TransitObjectMissing; a bad setting -> one TransitConfigError naming it (no
+        connection counts as one only to an endpoint that never answered: otherwise it is an outage)."""
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
@@ -175,7 +215,7 @@ class S3TransitBucket(TransitBucket):
             code = str(err.get("Code") or type(e).__name__)
             if key is not None and code in _MISSING:
                 raise TransitObjectMissing(key, self.uri(key)) from None
-            if code not in _FIX:
+            if code not in _FIX or (transient(e) and self.service.answered):
                 raise
             raise TransitConfigError(
                 f"transit bucket {self.root_uri} at {self.endpoint_url or 'AWS S3'}: {code} while {during}; "
@@ -191,6 +231,7 @@ class S3TransitBucket(TransitBucket):
         try:
             with self._errors("checking the bucket"):
                 probe.list_objects_v2(Bucket=self.bucket, Prefix=self._full(""), MaxKeys=1)
+            self.service.ok()
         except ClientError as e:  # no S3 error code we know: is it an S3 API at all?
             status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if status not in (301, 307, 400, 404, 405):
@@ -205,7 +246,8 @@ class S3TransitBucket(TransitBucket):
 
     def _put_many(self, items: Mapping[str, FileData]) -> None:
         tm = self._connect()[1]
-        with self._errors(f"writing {self.uri(next(iter(items)))}"):
+
+        def put() -> None:  # each object is one PUT (or a multipart upload): sending them again is harmless
             sources = {k: io.BytesIO(d) if isinstance(d, bytes) else os.fspath(d) for k, d in items.items()}
             futures = [tm.upload(source, self.bucket, self._full(k)) for k, source in sources.items()]
             try:
@@ -215,6 +257,8 @@ class S3TransitBucket(TransitBucket):
                 for f in futures:
                     f.cancel()
                 raise
+
+        self._call(f"writing {self.uri(next(iter(items)))}", put)
 
     def get_bytes(self, key: str) -> bytes:
         from botocore.exceptions import ClientError
@@ -226,7 +270,7 @@ class S3TransitBucket(TransitBucket):
             resp = client.get_object(Bucket=self.bucket, Key=self._full(key), Range=span)
             return resp["Body"].read(), int(resp.get("ContentRange", "/0").rpartition("/")[2])
 
-        with self._errors(f"reading {self.uri(key)}", key):
+        def get() -> bytes:
             try:  # no HEAD: the first part tells the size, and holds all of a small object
                 first, size = part(0)
             except ClientError as e:
@@ -237,10 +281,16 @@ class S3TransitBucket(TransitBucket):
                 rest = pool.map(lambda start: part(start)[0], range(len(first), size, self.chunksize))
                 return b"".join([first, *rest])
 
+        return self._call(f"reading {self.uri(key)}", get, key)
+
     def exists(self, key: str) -> bool:
+        key = _clean(key)
         try:
-            with self._errors(f"checking {self.uri(key)}", key := _clean(key)):
-                self._connect()[0].head_object(Bucket=self.bucket, Key=self._full(key))
+            self._call(
+                f"checking {self.uri(key)}",
+                lambda: self._connect()[0].head_object(Bucket=self.bucket, Key=self._full(key)),
+                key,
+            )
         except TransitObjectMissing:
             return False
         return True
@@ -249,17 +299,26 @@ class S3TransitBucket(TransitBucket):
         yield from (key for key, _ in self.list_sized(prefix, start_after))
 
     def list_sized(self, prefix: str = "", start_after: str | None = None) -> Iterator[tuple[str, int]]:
+        """Page after page, each asked from the last key seen (``StartAfter``, no continuation token): a page
+        that fails in an outage is asked again, even of a restarted server, and nothing is listed twice."""
         _clean(prefix := prefix.lstrip("/"), allow_empty=True)
-        kwargs = {"Bucket": self.bucket, "Prefix": self._full(prefix)}
-        if start_after:
-            kwargs["StartAfter"] = self._full(start_after)
-        with self._errors(f"listing {self.uri('')}/{prefix}"):
-            root = len(self._full(""))
-            for page in self._connect()[0].get_paginator("list_objects_v2").paginate(**kwargs):
-                yield from ((obj["Key"][root:], obj["Size"]) for obj in page.get("Contents", ()))
+        client, root, after = self._connect()[0], len(self._full("")), start_after
+        doing = f"listing {self.uri('')}/{prefix}"
+        while True:
+            kwargs = {"Bucket": self.bucket, "Prefix": self._full(prefix)}
+            if after:
+                kwargs["StartAfter"] = self._full(after)
+            page = self._call(doing, lambda kwargs=kwargs: client.list_objects_v2(**kwargs))
+            for obj in page.get("Contents", ()):
+                after = obj["Key"][root:]
+                yield after, obj["Size"]
+            if not page.get("IsTruncated") or not page.get("Contents"):
+                return
 
     def job_env(self) -> dict[str, str]:
         env = {"AWS_REGION": self.region, "AWS_DEFAULT_REGION": self.region}
+        if os.environ.get(outage.TOLERANCE_ENV):  # the jobs wait out an outage as long as the orchestrator
+            env[outage.TOLERANCE_ENV] = os.environ[outage.TOLERANCE_ENV]
         if self.endpoint_url:  # and the checksum behaviour of our client for third-party servers
             env["AWS_ENDPOINT_URL"] = self.endpoint_url
             env.update({f"AWS_{name.upper()}": value for name, value in _CHECKSUMS.items()})

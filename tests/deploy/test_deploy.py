@@ -135,6 +135,9 @@ def chart_instance(values: dict) -> dict:
         "run_launcher": chart_run_launcher(values),
         "telemetry": {"enabled": values.get("telemetry", {}).get("enabled", True)},
     }
+    logs = values.get("pythonLogs") or {}  # helpers/instance/_python-logs.tpl (when any field is set)
+    if logs.get("managedPythonLoggers"):
+        instance["python_logs"] = {"managed_python_loggers": logs["managedPythonLoggers"]}
     daemon = values.get("dagsterDaemon") or {}
     daemon_on = daemon.get("enabled", True)  # the chart's default
     coordinator = daemon.get("runCoordinator") or {}
@@ -234,6 +237,8 @@ def test_helm_values_render_an_instance_dagster_accepts(values, tmp_path):
     assert launcher["env_secrets"] == sorted(RUN_SECRET_KEYS)
     assert config["concurrency"]["pools"] == {"default_limit": 4, "granularity": "op"}
     assert config["run_monitoring"]["max_resume_run_attempts"] == 3
+    # A run shows when it waits out an outage of the bucket or the API server, and when it is over.
+    assert config["python_logs"]["managed_python_loggers"] == ["gpudoor_pipelines.outage"]
     assert config["run_retries"] == {"enabled": True, "max_retries": 2, "retry_on_asset_or_op_failure": False}
     # Queued, with no limit under the coordinator: the limits are in `concurrency.runs`.
     assert "config" not in config["run_coordinator"] and config["concurrency"]["runs"]["max_concurrent_runs"] == 40
@@ -247,7 +252,7 @@ def test_instance_file_holds_what_the_chart_renders(values, tmp_path):
         chart["run_launcher"]["config"]
     )
     assert config["run_launcher"]["module"] == "dagster_k8s" and config["run_launcher"]["class"] == "K8sRunLauncher"
-    for section in ("concurrency", "run_monitoring", "run_retries", "telemetry"):
+    for section in ("concurrency", "run_monitoring", "run_retries", "telemetry", "python_logs"):
         assert config[section] == chart[section], section
     expected_pg = dict(chart["storage"]["postgres"]["postgres_db"])
     assert {k: v for k, v in config["storage"]["postgres"]["postgres_db"].items() if k in expected_pg} == expected_pg
