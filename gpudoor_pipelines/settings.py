@@ -18,6 +18,8 @@ machine: the local backend and a transit bucket in a local folder.
 | ``GPUDOOR_DEPLOYMENT`` | this Dagster deployment's name on its jobs (default: Dagster+'s deployment name, |
 | | else ``default``); each deployment's orphan reconciler judges only its own jobs |
 | ``GPUDOOR_TRANSIT`` and ``GPUDOOR_S3_*`` | the transit bucket (see ``gpudoor_pipelines.transit.resource``) |
+| ``GPUDOOR_OUTAGE_TOLERANCE_S`` | how long an outage of the bucket or the API server is waited out (default 300; |
+| | see ``gpudoor_pipelines.outage``) |
 """
 
 from __future__ import annotations

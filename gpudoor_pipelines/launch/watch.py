@@ -217,9 +217,9 @@ class Streams:
         """Closes a job's stream for good (its job ended, or was replaced)."""
         follower = self.open.pop(job_id, None)
         if follower is not None:
+            follower.close()  # first: it may still be handing out the job's last lines
             for line in follower.poll():
                 self.emit(f"[job {job_id}] {line}" if self.prefix else line)
-            follower.close()
         self.done.add(job_id)
 
     def close(self) -> None:

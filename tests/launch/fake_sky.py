@@ -100,6 +100,12 @@ class FakeSky:
         self.status_interrupt_after: int | None = None  # raise ``interrupt`` from the n-th sky.status of named clusters
         self.stream_drops = 0  # the next n log streams of a cluster's job break off while the job runs on
         self.job_status_errors = 0  # the next n sky.job_status requests fail (the API server does not answer)
+        # An outage: every request before this time.monotonic() finds no server (ApiServerConnectionError).
+        self.down_until = 0.0
+        self.launch_answers_lost = 0  # the next n managed-job launches take effect, but their answer is lost
+        self.cancel_answers_lost = 0  # the same for cancels
+        self.log_lines = 0  # a managed job's log: this many numbered lines (0: a hello and a done line)
+        self.log_breaks: list[tuple[int, float]] = []  # (after line n, outage s): the stream breaks there
         self.jobs = types.SimpleNamespace(
             launch=self._launch,
             queue_v2=self._queue_v2,
@@ -111,7 +117,14 @@ class FakeSky:
         self.server = types.SimpleNamespace(common=types.SimpleNamespace(get_server_url=lambda: endpoint))
 
     def _count(self, name: str) -> None:
+        if time.monotonic() < self.down_until:
+            self.requests["refused"] = self.requests.get("refused", 0) + 1
+            raise self.exceptions.ApiServerConnectionError(self.endpoint)
         self.requests[name] = self.requests.get(name, 0) + 1
+
+    def outage(self, seconds: float) -> None:
+        """The API server goes away for ``seconds`` from now."""
+        self.down_until = time.monotonic() + seconds
 
     def _pool_status(self, names: list[str] | None) -> list[dict]:
         self._count("pool_status")
@@ -221,6 +234,11 @@ class FakeSky:
                 submitted_at=1000.0,
             )
             self.polls[job_id] = 0
+            if self.launch_answers_lost:  # the job is there; the answer never reaches the client
+                self.launch_answers_lost -= 1
+                self.records[job_id].submitted_at = time.time()
+                self.outage(1.5)
+                raise self.exceptions.ApiServerConnectionError(self.endpoint)
         return [job_id], None
 
     def _queue_v2(
@@ -297,8 +315,16 @@ class FakeSky:
             f.write(json.dumps(message) + "\n")
 
     def _tail_logs(self, job_id: int, follow: bool = True, tail: int = 0, output_stream=None) -> int:
-        output_stream.write(f"fake job {job_id} says hello\n")
-        output_stream.write(f"fake job {job_id} is done\n")
+        self._count("tail_logs")
+        if not self.log_lines:
+            output_stream.write(f"fake job {job_id} says hello\n")
+            output_stream.write(f"fake job {job_id} is done\n")
+            return 0
+        for n in range(1, self.log_lines + 1):  # from the first line, as SkyPilot streams a whole log
+            output_stream.write(f"fake job {job_id} line {n}\n")
+            if self.log_breaks and self.log_breaks[0][0] == n:
+                self.outage(self.log_breaks.pop(0)[1])
+                raise ConnectionError("Connection aborted: the API server went away")
         return 0
 
     def _cancel(self, job_ids: list[int]) -> None:
@@ -307,6 +333,10 @@ class FakeSky:
             for job_id in job_ids:
                 self.cancelled.append(job_id)
                 self.records[job_id].status = Status.CANCELLED
+            if self.cancel_answers_lost:
+                self.cancel_answers_lost -= 1
+                self.outage(1.5)
+                raise self.exceptions.ApiServerConnectionError(self.endpoint)
 
 
 def install(monkeypatch, fake: FakeSky) -> FakeSky:

@@ -321,3 +321,77 @@ def test_recover_to_names_other_pools_of_the_fleet(tmp_path):
     with pytest.raises(LaunchConfigError) as e:
         load_fleet(_fleet_recovering_onprem_to(tmp_path, "onprem"))
     assert e.value.field == "pools.onprem.recover_to" and "names itself" in e.value.problem
+
+
+# ---------------------------------------------------------------- outages of the API server
+_OUTAGE_LOGS = {"python_logs": {"managed_python_loggers": ["gpudoor_pipelines.outage"]}}
+
+
+def test_a_step_rides_through_api_server_outages_with_its_log_whole_and_nothing_launched_twice(tmp_path, fake_sky):
+    """The launch takes effect but its answer is lost; the log stream breaks twice while the job runs. The step
+    finds the job it launched, reopens the stream where it stopped, and says in the run what it waited for."""
+    fake_sky.launch_answers_lost = 1
+    fake_sky.log_lines, fake_sky.log_breaks = 30, [(10, 1.0), (20, 0.5)]
+    fake_sky.polls_to_finish = 4
+    with dg.instance_for_test(overrides=_OUTAGE_LOGS) as instance:
+        result = dg.materialize(
+            [probe_asset],
+            partition_key="shard-007",
+            instance=instance,
+            resources={"skypilot": _client(tmp_path, fake_sky)},
+        )
+        assert result.success
+        logs = [e.user_message for e in instance.all_logs(result.run_id)]
+    assert len(fake_sky.launched) == 1 and list(fake_sky.records) == [1]  # launched once
+    assert fake_sky.requests["refused"] >= 3  # the launch, and each broken stream's first reopening
+    md = result.asset_materializations_for_node("probe_asset")[0].metadata
+    assert md["job_id"].value == "1" and md["status"].value == "SUCCEEDED"
+    job_lines = [m for m in logs if m.startswith("fake job 1 line ")]
+    assert job_lines == [f"fake job 1 line {n}" for n in range(1, 31)]  # none lost, none repeated
+    assert any("the SkyPilot API server at" in m and "did not answer while launching" in m for m in logs)
+    assert any("is back after" in m for m in logs)
+
+
+def test_a_step_fails_clearly_when_the_api_server_stays_away_past_the_bound(tmp_path, fake_sky, monkeypatch):
+    monkeypatch.setenv("GPUDOOR_OUTAGE_TOLERANCE_S", "3")
+    fake_sky.log_lines, fake_sky.log_breaks = 5, [(2, 60.0)]  # it goes away two lines into the job's log
+    fake_sky.polls_to_finish = 100
+    t0 = time.monotonic()
+    result = dg.materialize(
+        [probe_asset],
+        partition_key="shard-007",
+        raise_on_error=False,
+        resources={"skypilot": _client(tmp_path, fake_sky)},
+    )
+    assert time.monotonic() - t0 < 30
+    (failure,) = [e for e in result.all_events if e.is_step_failure]
+    text = failure.step_failure_data.error.to_string()
+    assert f"the SkyPilot API server at {fake_sky.endpoint} has not answered for" in text
+    assert "GPUDOOR_OUTAGE_TOLERANCE_S=3" in text and "the next run resumes" in text
+    assert len(fake_sky.launched) == 1 and fake_sky.cancelled == []
+
+
+@pytest.mark.parametrize("answer_lost", [False, True])
+def test_a_cancel_is_sent_again_only_if_the_first_did_not_arrive(fake_sky, answer_lost):
+    from gpudoor_pipelines.launch.backends.skypilot import SkyPilotBackend
+
+    backend = SkyPilotBackend(fake_sky.endpoint)
+    backend.check()  # the server answered once
+    fake_sky.add_job(7, Status.RUNNING)
+    if answer_lost:
+        fake_sky.cancel_answers_lost = 1  # it arrives; the answer does not
+    else:
+        fake_sky.outage(1.5)  # refused: it never arrives
+    backend.cancel("7")
+    assert fake_sky.cancelled == [7] and fake_sky.records[7].status is Status.CANCELLED
+    assert fake_sky.requests["refused"] >= 1
+
+
+def test_a_server_that_never_answered_is_not_waited_for(tmp_path, fake_sky):
+    from gpudoor_pipelines.launch.backends import sky_sdk
+
+    fake_sky.outage(60)
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match="Could not connect to SkyPilot API server"):
+        sky_sdk.read(lambda: fake_sky.jobs.queue_v2(refresh=False))
+    assert time.monotonic() - t0 < 1

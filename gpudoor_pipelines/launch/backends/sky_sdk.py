@@ -21,14 +21,13 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from gpudoor_pipelines import outage
 from gpudoor_pipelines.launch import sky_env
 from gpudoor_pipelines.launch.backends.base import LogFollower
 from gpudoor_pipelines.launch.errors import LaunchConfigError, PoolFull
 from gpudoor_pipelines.launch.job import JobState
 from gpudoor_pipelines.launch.resolve.request import ResolvedJob
 
-#: How long reads are retried while the API server cannot be reached (see :func:`read`).
-READ_RETRY_S = 90.0
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -41,22 +40,91 @@ def sky() -> Any:
     return sky_module
 
 
-def read(request: Callable[[], Any], retry_s: float = READ_RETRY_S) -> Any:
-    """``sky.get`` of a read-only request (states, the queue, a pool's status), sent again while the API
-    server cannot be reached, for up to ``retry_s``: a busy or restarting server is not a failed step.
-    Launches and cancels are never sent twice."""
-    sdk = sky()
-    from sky.exceptions import ApiServerConnectionError
+def server() -> outage.Service:
+    """The API server this process's SDK talks to, as a service whose outages are waited out."""
+    return outage.service(f"the SkyPilot API server at {sky().server.common.get_server_url()}")
 
-    deadline, wait = time.monotonic() + retry_s, 1.0
+
+def transient(error: BaseException) -> bool:
+    """Whether an SDK failure is one a server that is there gives for a while: no connection, a connection
+    dropped or timed out, a 5xx, a server restarting (its requests interrupted), or busy."""
+    import requests
+    from sky import exceptions
+
+    waited = (
+        exceptions.ApiServerConnectionError,
+        exceptions.ServerTemporarilyUnavailableError,
+        exceptions.RequestInterruptedError,
+        requests.exceptions.ConnectionError,
+        requests.exceptions.Timeout,
+        requests.exceptions.ChunkedEncodingError,
+        ConnectionError,
+    )
+    if isinstance(error, waited):
+        return True
+    response = getattr(error, "response", None)
+    return isinstance(error, requests.exceptions.HTTPError) and response is not None and response.status_code >= 500
+
+
+def read(request: Callable[[], Any], *, limit_s: float | None = None) -> Any:
+    """``sky.get`` of a read-only request (states, the queue, a pool's status), sent again while the API
+    server does not answer (:mod:`gpudoor_pipelines.outage`): a busy or restarting server is not a failed step.
+    Launches and cancels are never sent twice blindly (:func:`launch`, :func:`cancel`)."""
+    sdk = sky()
+    return server().call(lambda: sdk.get(request()), transient, "reading job states", limit_s=limit_s)
+
+
+def launch(name: str, send: Callable[[], Any], look: Callable[[float], list[str]]) -> list[str]:
+    """The job ids of one launch: ``send()`` posts it (returns its request id), ``look(since)`` finds the jobs
+    of this name submitted since then (a Unix time). After a transient failure the launch is sent again only
+    if a look, once the server answers, finds that the first one did not take effect. (The one case a look
+    cannot tell: the server took the launch, its answer was lost, and the server has not submitted the job
+    yet. A refused connection, the usual outage, never reached it.)"""
+    from sky.exceptions import RequestInterruptedError
+
+    sdk, service = sky(), server()
+    since = time.monotonic()
+    while True:
+        asked = time.time() - 5.0  # the server's clock, within seconds of this one
+        try:
+            request_id = send()
+        except Exception as e:
+            if not transient(e) or not service.answered:
+                raise
+            error: Exception = e
+        else:
+            try:  # the request is the server's now: wait for its answer (a restart ends it, unanswered)
+                done = service.call(
+                    lambda request_id=request_id: sdk.get(request_id),
+                    lambda e: transient(e) and not isinstance(e, RequestInterruptedError),
+                    f"waiting for the launch of {name}",
+                )
+                return [str(i) for i in (done[0] or ())]
+            except RequestInterruptedError as e:
+                error = e
+        time.sleep(service.failed(error, f"launching {name}", since=since))
+        doing = f"looking whether the launch of {name} arrived"
+        found = service.call(lambda asked=asked: look(asked), transient, doing)
+        if found:
+            return found
+
+
+def cancel(name: str, send: Callable[[], Any], done: Callable[[], bool]) -> None:
+    """One cancel: ``send()`` posts it; after a transient failure, ``done()`` (once the server answers) says
+    whether it took effect before it is sent again."""
+    sdk, service = sky(), server()
+    since = time.monotonic()
     while True:
         try:
-            return sdk.get(request())
-        except ApiServerConnectionError:
-            if time.monotonic() + wait > deadline:
+            sdk.get(send())
+            return
+        except Exception as e:
+            if not transient(e) or not service.answered:
                 raise
-            time.sleep(wait)
-            wait = min(wait * 2, 15.0)
+            error = e
+        time.sleep(service.failed(error, f"cancelling {name}", since=since))
+        if service.call(done, transient, f"looking whether the cancel of {name} arrived"):
+            return
 
 
 def health(endpoint: str, token: str | None, timeout_s: float = 5.0) -> dict[str, Any]:
@@ -93,6 +161,7 @@ def health(endpoint: str, token: str | None, timeout_s: float = 5.0) -> dict[str
             f"no SkyPilot API server answers at {endpoint} ({getattr(e, 'reason', e)})",
             "start the API server or correct SKYPILOT_API_SERVER_ENDPOINT",
         ) from None
+    outage.service(f"the SkyPilot API server at {endpoint}").ok()
     try:
         answer = json.loads(body or b"{}")
     except ValueError:
@@ -204,20 +273,31 @@ def cancel_request(request_id: Any) -> None:
 
 
 class _QueueStream(io.TextIOBase):
-    """A text stream that hands complete lines (colour codes removed) to a queue."""
+    """A text stream that hands complete lines (colour codes removed) to a queue. Written again from the start
+    (a log stream reopened), it hands out only the lines after those it already handed out, as SkyPilot's
+    own resumable streams do."""
 
     def __init__(self, lines: queue.Queue[str]) -> None:
         self._lines = lines
         self._partial = ""
+        self.handed = 0  # lines handed out, over every attempt
+        self._written = 0  # complete lines written in this attempt
 
     def writable(self) -> bool:
         return True
+
+    def restart(self) -> None:
+        """The writer starts again from its first line."""
+        self._partial, self._written = "", 0
 
     def write(self, text: str) -> int:
         data = self._partial + text
         *complete, self._partial = data.split("\n")
         for line in complete:
-            self._lines.put(_ANSI.sub("", line).rstrip("\r"))
+            self._written += 1
+            if self._written > self.handed:
+                self.handed += 1
+                self._lines.put(_ANSI.sub("", line).rstrip("\r"))
         return len(text)
 
     def flush_partial(self) -> None:
@@ -227,17 +307,27 @@ class _QueueStream(io.TextIOBase):
 
 
 class ThreadFollower(LogFollower):
-    """Runs a blocking SDK log stream (``follow=True``) in a thread; ``poll`` hands out its lines."""
+    """Runs a blocking SDK log stream (``follow=True``) in a thread; ``poll`` hands out its lines.
+
+    A stream the API server breaks off (an outage, a restart) is reopened once the server answers again,
+    from the start, and the lines already handed out are skipped: none is lost or repeated.
+    """
 
     def __init__(self, stream_to: Callable[[io.TextIOBase], Any]) -> None:
         self._lines: queue.Queue[str] = queue.Queue()
         self._stream = _QueueStream(self._lines)
+        self._attempts = 0
         self._thread = threading.Thread(target=self._run, args=(stream_to,), daemon=True)
         self._thread.start()
 
     def _run(self, stream_to: Callable[[io.TextIOBase], Any]) -> None:
+        def attempt() -> Any:
+            self._attempts += 1
+            self._stream.restart()
+            return stream_to(self._stream)
+
         try:
-            stream_to(self._stream)
+            server().call(attempt, transient, "following a job's log", progress=lambda: self._stream.handed)
         except Exception as e:  # The stream ends with the job or the connection; say so in the log.
             self._lines.put(f"[gpudoor] log stream ended: {type(e).__name__}: {e}")
         self._stream.flush_partial()
@@ -256,8 +346,10 @@ class ThreadFollower(LogFollower):
                 return out
 
     def close(self) -> None:
-        # The SDK call cannot be interrupted; the daemon thread ends with the job's log.
-        self._thread.join(timeout=2)
+        """Waits a moment for the stream to end (it ends with the job): longer for a stream reopened after an
+        outage, which may still be catching up. The SDK call cannot be interrupted; the daemon thread ends
+        with the job's log."""
+        self._thread.join(timeout=2 if self._attempts <= 1 else outage.MOST_WAIT_S * 2)
 
 
 def tail(read_into: Callable[[io.TextIOBase], Any], lines: int) -> list[str]:

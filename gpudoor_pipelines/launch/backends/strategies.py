@@ -17,18 +17,22 @@ from __future__ import annotations
 import abc
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from gpudoor_pipelines.launch.backends import sky_records, sky_sdk
 from gpudoor_pipelines.launch.backends.base import LogFollower
-from gpudoor_pipelines.launch.job import Holding, JobInfo
+from gpudoor_pipelines.launch.job import Holding, JobInfo, JobState
 from gpudoor_pipelines.launch.resolve.request import ResolvedJob
 
 if TYPE_CHECKING:
     from gpudoor_pipelines.launch.backends.skypilot import SkyPilotBackend
 
 _REGISTRY: dict[str, type[JobStrategy]] = {}
+#: What a look at jobs reads to tell whether a launch arrived.
+_LOOK_FIELDS = ["job_id", "job_name", "status", "submitted_at"]
+#: The states of a job whose cancel has arrived.
+_CANCEL_ARRIVED = {JobState.CANCELLING, *(s for s in JobState if s.is_terminal)}
 
 
 def register(name: str):
@@ -115,10 +119,27 @@ class ManagedJobs(JobStrategy):
     def submit(self, job: ResolvedJob) -> str:
         sky = sky_sdk.sky()
         with sky_sdk.refusals(job):
-            job_ids, _ = sky.get(sky.jobs.launch(sky_sdk.build_task(job), name=job.name))
+            task = sky_sdk.build_task(job)
+            job_ids = sky_sdk.launch(job.name, lambda: sky.jobs.launch(task, name=job.name), self.named(job.name))
         if not job_ids:
             raise RuntimeError(f"SkyPilot returned no job id for {job.name}")
-        return str(job_ids[0])
+        return job_ids[0]
+
+    @staticmethod
+    def named(name: str) -> Callable[[float], list[str]]:
+        """A look for the managed jobs of this name submitted since a time (did a launch arrive?)."""
+
+        def look(since: float) -> list[str]:
+            sky = sky_sdk.sky()
+            records, *_ = sky.get(
+                sky.jobs.queue_v2(
+                    refresh=False, all_users=True, name_match=name, submitted_after=since, fields=_LOOK_FIELDS
+                )
+            )
+            found = [r for r in records if r.job_name == name and (r.submitted_at or 0) >= since]
+            return [str(r.job_id) for r in sorted(found, key=lambda r: r.job_id)]
+
+        return look
 
     def infos(self, job_ids: Sequence[str]) -> dict[str, JobInfo]:
         if not job_ids:
@@ -143,9 +164,15 @@ class ManagedJobs(JobStrategy):
         )
 
     def cancel(self, job_ids: Sequence[str]) -> None:
-        if job_ids:
-            sky = sky_sdk.sky()
-            sky.get(sky.jobs.cancel(job_ids=[int(i) for i in job_ids]))
+        if not job_ids:
+            return
+        sky, ids = sky_sdk.sky(), [int(i) for i in job_ids]
+
+        def done() -> bool:  # did the cancel arrive? every job ended or on its way out
+            infos = self.infos(job_ids)
+            return all(i not in infos or infos[i].state in _CANCEL_ARRIVED for i in job_ids)
+
+        sky_sdk.cancel(f"jobs {', '.join(job_ids)}", lambda: sky.jobs.cancel(job_ids=ids), done)
 
 
 class WarmPools:
@@ -179,12 +206,15 @@ class WarmPools:
         job_config = {k: v for k, v in config.items() if k not in ("setup", "num_nodes")}
         job_config["name"] = job.name
         with sky_sdk.refusals(job):
-            job_ids, _ = sky.get(
-                sky.jobs.launch(sky_sdk.build_task(job, job_config), name=job.name, pool=pool_name, num_jobs=num_jobs)
+            task = sky_sdk.build_task(job, job_config)
+            job_ids = sky_sdk.launch(
+                job.name,
+                lambda: sky.jobs.launch(task, name=job.name, pool=pool_name, num_jobs=num_jobs),
+                ManagedJobs.named(job.name),
             )
-        if len(job_ids or ()) != num_jobs:
-            raise RuntimeError(f"SkyPilot returned {len(job_ids or ())} job ids for {num_jobs} jobs of {job.name}")
-        return [str(i) for i in job_ids]
+        if len(job_ids) != num_jobs:
+            raise RuntimeError(f"SkyPilot returned {len(job_ids)} job ids for {num_jobs} jobs of {job.name}")
+        return job_ids
 
     def record(self, pool_name: str) -> dict | None:
         """The pool's ``sky.jobs.pool_status`` record (None when there is no such pool)."""
