@@ -105,7 +105,9 @@ class FakeSky:
         self.launch_answers_lost = 0  # the next n managed-job launches take effect, but their answer is lost
         self.cancel_answers_lost = 0  # the same for cancels
         self.log_lines = 0  # a managed job's log: this many numbered lines (0: a hello and a done line)
-        self.log_breaks: list[tuple[int, float]] = []  # (after line n, outage s): the stream breaks there
+        # (after line n, outage s, how): the stream breaks there, cut ("cut") or ended cleanly by a server restart
+        # that killed its request ("restart": SkyPilot returns the signal's negative number)
+        self.log_breaks: list[tuple[int, float, str]] = []
         self.jobs = types.SimpleNamespace(
             launch=self._launch,
             queue_v2=self._queue_v2,
@@ -323,7 +325,10 @@ class FakeSky:
         for n in range(1, self.log_lines + 1):  # from the first line, as SkyPilot streams a whole log
             output_stream.write(f"fake job {job_id} line {n}\n")
             if self.log_breaks and self.log_breaks[0][0] == n:
-                self.outage(self.log_breaks.pop(0)[1])
+                _, seconds, how = self.log_breaks.pop(0)
+                self.outage(seconds)
+                if how == "restart":
+                    return -15
                 raise ConnectionError("Connection aborted: the API server went away")
         return 0
 

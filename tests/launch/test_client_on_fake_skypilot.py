@@ -331,7 +331,8 @@ def test_a_step_rides_through_api_server_outages_with_its_log_whole_and_nothing_
     """The launch takes effect but its answer is lost; the log stream breaks twice while the job runs. The step
     finds the job it launched, reopens the stream where it stopped, and says in the run what it waited for."""
     fake_sky.launch_answers_lost = 1
-    fake_sky.log_lines, fake_sky.log_breaks = 30, [(10, 1.0), (20, 0.5)]
+    # Cut off once, and once ended cleanly by a server restart that killed the log request.
+    fake_sky.log_lines, fake_sky.log_breaks = 30, [(10, 1.0, "cut"), (20, 0.5, "restart")]
     fake_sky.polls_to_finish = 4
     with dg.instance_for_test(overrides=_OUTAGE_LOGS) as instance:
         result = dg.materialize(
@@ -354,7 +355,7 @@ def test_a_step_rides_through_api_server_outages_with_its_log_whole_and_nothing_
 
 def test_a_step_fails_clearly_when_the_api_server_stays_away_past_the_bound(tmp_path, fake_sky, monkeypatch):
     monkeypatch.setenv("GPUDOOR_OUTAGE_TOLERANCE_S", "3")
-    fake_sky.log_lines, fake_sky.log_breaks = 5, [(2, 60.0)]  # it goes away two lines into the job's log
+    fake_sky.log_lines, fake_sky.log_breaks = 5, [(2, 60.0, "cut")]  # it goes away two lines into the job's log
     fake_sky.polls_to_finish = 100
     t0 = time.monotonic()
     result = dg.materialize(

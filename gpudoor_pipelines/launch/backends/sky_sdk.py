@@ -55,6 +55,7 @@ def transient(error: BaseException) -> bool:
         exceptions.ApiServerConnectionError,
         exceptions.ServerTemporarilyUnavailableError,
         exceptions.RequestInterruptedError,
+        StreamBroken,
         requests.exceptions.ConnectionError,
         requests.exceptions.Timeout,
         requests.exceptions.ChunkedEncodingError,
@@ -350,6 +351,19 @@ class ThreadFollower(LogFollower):
         outage, which may still be catching up. The SDK call cannot be interrupted; the daemon thread ends
         with the job's log."""
         self._thread.join(timeout=2 if self._attempts <= 1 else outage.MOST_WAIT_S * 2)
+
+
+class StreamBroken(ConnectionError):
+    """A log stream that ended without its job's end: the API server's request was killed (a restart)."""
+
+
+def follow_exit(code: Any) -> Any:
+    """What ``sky.jobs.tail_logs(follow=True)`` returned, or :class:`StreamBroken` when that is not the end of
+    the job: a negative code is the signal that killed the server's log request (SIGTERM at a restart), and
+    the stream then ends cleanly, as if its job had."""
+    if isinstance(code, int) and code < 0:
+        raise StreamBroken(f"the API server's log request ended by signal {-code}")
+    return code
 
 
 def tail(read_into: Callable[[io.TextIOBase], Any], lines: int) -> list[str]:
