@@ -16,6 +16,8 @@
 #   GPUDOOR_TESTBED_PLUGINS       the server's plugins file (SKYPILOT_SERVER_PLUGINS_CONFIG)
 #                                 (default: deploy/skypilot/plugins.yaml; empty: none)
 #   GPUDOOR_TESTBED_READY_TIMEOUT seconds to wait for SkyPilot to see both partitions (default 240)
+#   GPUDOOR_TESTBED_RESTART_SERVER=1  restart the API server even if nothing it reads changed (what a
+#                                 team's server restart does: every process of the old one ends first)
 # Writes testbed/.state/env (exports for clients) and prints it.
 # The whole script is one function, parsed before it runs: editing the file while it runs
 # cannot change what a running instance executes.
@@ -447,14 +449,16 @@ SERVER_FINGERPRINT="$(cat "$SERVER_CONFIG" "$BED_HOME/.slurm/config" "$SLURM_CON
   | sha256sum | cut -d' ' -f1)"
 server_healthy() { curl -fsS --max-time 5 "$API_ENDPOINT/api/health" >/dev/null 2>&1; }
 SERVER_READY=0
-if pid_alive "$BED_RUN/api-server.pid" && server_healthy &&
+if [[ "${GPUDOOR_TESTBED_RESTART_SERVER:-}" != 1 ]] && pid_alive "$BED_RUN/api-server.pid" && server_healthy &&
    [[ "$(cat "$BED_RUN/api-server.fingerprint" 2>/dev/null)" == "$SERVER_FINGERPRINT" ]]; then
   log "API server already up"
   # Set once SkyPilot saw both partitions through this server (below).
   if [[ -f "$BED_RUN/api-server.ready" ]]; then SERVER_READY=1; fi
 else
   rm -f "$BED_RUN/api-server.ready"
-  stop_pidfile "$BED_RUN/api-server.pid" 1
+  # Every process of the old server, not only the one in its pid file: its request executors outlive it and
+  # one may hold the port.
+  stop_api_server || { echo "processes of the old API server are still running (above)" >&2; exit 1; }
   if port_open "$API_PORT"; then
     echo "port $API_PORT is taken by another process (not started by this bed)" >&2
     exit 1

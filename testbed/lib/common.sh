@@ -70,3 +70,59 @@ stop_pidfile() {
   fi
   rm -f "$f"
 }
+
+# The API server's processes: those that carry the marker up.sh puts into the server's environment (the
+# server, the consolidated job controllers, which run in sessions of their own), and SkyPilot's processes in
+# the folder up.sh starts the server in, its HOME: its request executors write their process title
+# (`SkyPilot:executor:...`) over their environment, so the marker cannot be read there. An executor that
+# outlived its server (the server killed by its PID, say) is found the same way.
+marked_pids() {
+  local marker="GPUDOOR_TESTBED_OWNER=api-server:$API_PORT:$BED_HOME" dir pid
+  for dir in /proc/[0-9]*; do
+    pid="${dir#/proc/}"
+    [[ "$pid" == "$$" || "$pid" == "$BASHPID" ]] && continue
+    if { [[ "$(head -c 9 "$dir/cmdline" 2>/dev/null | tr -d '\0')" == "SkyPilot:" ]] &&
+      [[ "$(readlink "$dir/cwd" 2>/dev/null)" == "$BED_HOME" ]]; } ||
+      { tr '\0' '\n' <"$dir/environ"; } 2>/dev/null | grep -qxF "$marker"; then
+      echo "$pid"
+    fi
+  done
+}
+
+# stop_api_server: the bed's API server and every process of it, including the request executors and job
+# controllers of a server that was killed by its PID (they would hold its port): TERM, then KILL. Returns 1,
+# naming them, if any is still there. down.sh calls it, and up.sh before it starts a server.
+stop_api_server() {
+  local left
+  # The server and every process it spawned (its workers, the job controllers, in sessions of their own) are asked to
+  # stop at once, and waited for together: the server's own shutdown waits on its workers.
+  left="$(marked_pids | tr '\n' ' ')"
+  log "stopping SkyPilot API server and its processes: $left"
+  if pid_alive "$BED_RUN/api-server.pid"; then
+    kill -TERM -- "-$({ tr -dc 0-9 <"$BED_RUN/api-server.pid"; } 2>/dev/null)" 2>/dev/null || true
+  fi
+  # shellcheck disable=SC2086
+  [[ -n "${left// /}" ]] && { kill -TERM $left 2>/dev/null || true; }
+  for _ in $(seq 1 40); do
+    pid_alive "$BED_RUN/api-server.pid" || break
+    sleep 0.25
+  done
+  stop_pidfile "$BED_RUN/api-server.pid" 1  # KILLs it if it is still there
+  left="$(marked_pids | tr '\n' ' ')"
+  if [[ -n "${left// /}" ]]; then
+    log "killing API-server processes that did not stop: $left"
+    # shellcheck disable=SC2086
+    kill -KILL $left 2>/dev/null || true
+    for _ in $(seq 1 20); do
+      # shellcheck disable=SC2086
+      left="$(for pid in $left; do kill -0 "$pid" 2>/dev/null && echo "$pid"; done | tr '\n' ' ')"
+      [[ -z "${left// /}" ]] && break
+      sleep 0.25
+    done
+    if [[ -n "${left// /}" ]]; then
+      log "API-server processes still running after SIGKILL: $left"
+      return 1
+    fi
+  fi
+  return 0
+}
