@@ -36,7 +36,10 @@ TOLERANCE_ENV = "GPUDOOR_OUTAGE_TOLERANCE_S"
 DEFAULT_TOLERANCE_S = 300.0
 #: How long a machine remembers that a service answered (a step starting during an outage waits it out).
 REMEMBER_S = 86400.0
-FIRST_WAIT_S, MOST_WAIT_S = 1.0, 15.0
+#: Tries come 1 s, 2 s, 4 s, then every 5 s (less a random part of up to half): a service back is seen within
+#: seconds, and a refused connection costs it nothing (one busy with 5xx has botocore's or SkyPilot's own backoff
+#: inside each try).
+FIRST_WAIT_S, MOST_WAIT_S = 1.0, 5.0
 
 
 _DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("gpudoor_outage_deadline", default=None)
@@ -125,10 +128,10 @@ class Service:
             if down is not None:
                 logger.warning("%s is back after %.0f s", self.name, time.monotonic() - down)
 
-    def failed(self, error: BaseException, doing: str, *, limit_s: float | None = None, since: float) -> float:
+    def failed(self, error: BaseException, doing: str) -> float:
         """Records a transient failure; returns how long to wait before trying again, or raises
-        :class:`ServiceUnavailable` when the outage is over the bound, or this caller's own wait (``limit_s``
-        from ``since``, :func:`waiting_at_most`) is."""
+        :class:`ServiceUnavailable` when the outage is over the bound, or the caller's own wait
+        (:func:`waiting_at_most`) is."""
         now, bound = time.monotonic(), tolerance_s()
         with self._lock:
             first = self.down_since is None
@@ -147,8 +150,8 @@ class Service:
         wait = min(MOST_WAIT_S, FIRST_WAIT_S * 2 ** min(self.waits, 8)) * random.uniform(0.5, 1.0)
         if down + wait > bound:
             raise ServiceUnavailable(self.name, down, error, past_bound=True, bound_s=bound) from error
-        ends = [t for t in (None if limit_s is None else since + limit_s, _DEADLINE.get()) if t is not None]
-        if ends and now + wait > min(ends):
+        deadline = _DEADLINE.get()
+        if deadline is not None and now + wait > deadline:
             raise ServiceUnavailable(self.name, down, error, past_bound=False, bound_s=bound) from error
         self.waits += 1
         return wait
@@ -159,29 +162,25 @@ class Service:
         transient: Callable[[BaseException], bool],
         doing: str,
         *,
-        limit_s: float | None = None,
         progress: Callable[[], int] | None = None,
     ) -> T:
         """``fn()``, made again while it fails transiently (see the module docstring).
 
         Args:
-            limit_s: this caller waits no longer than this (a sensor's tick), even if the outage is younger
-                than the tolerance.
             progress: a count that grows while ``fn`` gets somewhere (lines of a stream): a failure after
                 progress starts a new outage rather than continuing the last one.
         """
-        since = time.monotonic()
         seen = progress() if progress else 0
         while True:
             try:
                 out = fn()
-            except BaseException as e:
-                if not isinstance(e, Exception) or not transient(e) or not self.answered:
-                    raise
+            except Exception as e:
+                if isinstance(e, ServiceUnavailable) or not transient(e) or not self.answered:
+                    raise  # (a service given up on inside fn is not waited for twice)
                 if progress is not None and progress() != seen:
                     seen = progress()
                     self.ok()  # it answered meanwhile: a new outage, if any, starts now
-                time.sleep(self.failed(e, doing, limit_s=limit_s, since=since))
+                time.sleep(self.failed(e, doing))
                 continue
             self.ok()
             return out

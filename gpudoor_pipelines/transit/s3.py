@@ -131,14 +131,14 @@ class S3TransitBucket(TransitBucket):
         self.__dict__.update(state)
         self.service = outage.service(f"the transit bucket {self.root_uri} at {self.endpoint_url or 'AWS S3'}")
 
-    def _call(self, doing: str, fn: Callable[[], T], key: str | None = None, limit_s: float | None = None) -> T:
+    def _call(self, doing: str, fn: Callable[[], T], key: str | None = None) -> T:
         """``fn()`` with its errors made clear (:meth:`_errors`) and an outage waited out."""
 
         def attempt() -> T:
             with self._errors(doing, key):
                 return fn()
 
-        return self.service.call(attempt, transient, doing, limit_s=limit_s)
+        return self.service.call(attempt, transient, doing)
 
     def _full(self, key: str) -> str:
         return _folder(self.prefix) + key

@@ -23,7 +23,7 @@ from tests.slurm.conftest import TESTBED_DIR, allocations_of, managed_record
 pytestmark = pytest.mark.slurm
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-LINES = 45
+LINES = 36
 OUTAGE_LOGS = {"python_logs": {"managed_python_loggers": ["gpudoor_pipelines.outage"]}}
 
 

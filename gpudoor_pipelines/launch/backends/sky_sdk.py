@@ -67,12 +67,12 @@ def transient(error: BaseException) -> bool:
     return isinstance(error, requests.exceptions.HTTPError) and response is not None and response.status_code >= 500
 
 
-def read(request: Callable[[], Any], *, limit_s: float | None = None) -> Any:
+def read(request: Callable[[], Any]) -> Any:
     """``sky.get`` of a read-only request (states, the queue, a pool's status), sent again while the API
     server does not answer (:mod:`gpudoor_pipelines.outage`): a busy or restarting server is not a failed step.
     Launches and cancels are never sent twice blindly (:func:`launch`, :func:`cancel`)."""
     sdk = sky()
-    return server().call(lambda: sdk.get(request()), transient, "reading job states", limit_s=limit_s)
+    return server().call(lambda: sdk.get(request()), transient, "reading job states")
 
 
 def launch(name: str, send: Callable[[], Any], look: Callable[[float], list[str]]) -> list[str]:
@@ -84,7 +84,6 @@ def launch(name: str, send: Callable[[], Any], look: Callable[[float], list[str]
     from sky.exceptions import RequestInterruptedError
 
     sdk, service = sky(), server()
-    since = time.monotonic()
     while True:
         asked = time.time() - 5.0  # the server's clock, within seconds of this one
         try:
@@ -103,7 +102,7 @@ def launch(name: str, send: Callable[[], Any], look: Callable[[float], list[str]
                 return [str(i) for i in (done[0] or ())]
             except RequestInterruptedError as e:
                 error = e
-        time.sleep(service.failed(error, f"launching {name}", since=since))
+        time.sleep(service.failed(error, f"launching {name}"))
         doing = f"looking whether the launch of {name} arrived"
         found = service.call(lambda asked=asked: look(asked), transient, doing)
         if found:
@@ -114,7 +113,6 @@ def cancel(name: str, send: Callable[[], Any], done: Callable[[], bool]) -> None
     """One cancel: ``send()`` posts it; after a transient failure, ``done()`` (once the server answers) says
     whether it took effect before it is sent again."""
     sdk, service = sky(), server()
-    since = time.monotonic()
     while True:
         try:
             sdk.get(send())
@@ -123,7 +121,7 @@ def cancel(name: str, send: Callable[[], Any], done: Callable[[], bool]) -> None
             if not transient(e) or not service.answered:
                 raise
             error = e
-        time.sleep(service.failed(error, f"cancelling {name}", since=since))
+        time.sleep(service.failed(error, f"cancelling {name}"))
         if service.call(done, transient, f"looking whether the cancel of {name} arrived"):
             return
 
@@ -350,7 +348,7 @@ class ThreadFollower(LogFollower):
         """Waits a moment for the stream to end (it ends with the job): longer for a stream reopened after an
         outage, which may still be catching up. The SDK call cannot be interrupted; the daemon thread ends
         with the job's log."""
-        self._thread.join(timeout=2 if self._attempts <= 1 else outage.MOST_WAIT_S * 2)
+        self._thread.join(timeout=2 if self._attempts <= 1 else 30)
 
 
 class StreamBroken(ConnectionError):
