@@ -223,5 +223,6 @@ class Streams:
         self.done.add(job_id)
 
     def close(self) -> None:
+        """Stops following what is still open (the wait ended, or was interrupted): no waiting for last lines."""
         for follower in self.open.values():
-            follower.close()
+            follower.close(wait=False)

@@ -31,8 +31,8 @@ class LogFollower(abc.ABC):
         (``select``); None where there is none (the loop then looks at :attr:`ended` at its own pace)."""
         return None
 
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Stops following."""
+    def close(self, wait: bool = True) -> None:  # noqa: B027 - optional hook
+        """Stops following; ``wait``: first give a stream whose job ended a moment to hand out its last lines."""
 
 
 class Service(abc.ABC):

@@ -74,7 +74,7 @@ class _FileFollower(LogFollower):
     def end_fd(self) -> int | None:
         return self._pidfd
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None

@@ -344,11 +344,12 @@ class ThreadFollower(LogFollower):
             except queue.Empty:
                 return out
 
-    def close(self) -> None:
-        """Waits a moment for the stream to end (it ends with the job): longer for a stream reopened after an
-        outage, which may still be catching up. The SDK call cannot be interrupted; the daemon thread ends
+    def close(self, wait: bool = True) -> None:
+        """With ``wait``, gives the stream a moment to end (it ends with the job): longer for one reopened after
+        an outage, which may still be catching up. The SDK call cannot be interrupted; the daemon thread ends
         with the job's log."""
-        self._thread.join(timeout=2 if self._attempts <= 1 else 30)
+        if wait:
+            self._thread.join(timeout=2 if self._attempts <= 1 else 30)
 
 
 class StreamBroken(ConnectionError):

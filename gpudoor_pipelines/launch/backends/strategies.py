@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 _REGISTRY: dict[str, type[JobStrategy]] = {}
 #: What a look at jobs reads to tell whether a launch arrived.
-_LOOK_FIELDS = ["job_id", "job_name", "status", "submitted_at"]
+_LOOK_FIELDS = ["job_id", "job_name", "submitted_at"]
 #: The states of a job whose cancel has arrived.
 _CANCEL_ARRIVED = {JobState.CANCELLING, *(s for s in JobState if s.is_terminal)}
 
