@@ -455,6 +455,11 @@ if [[ "${GPUDOOR_TESTBED_RESTART_SERVER:-}" != 1 ]] && pid_alive "$BED_RUN/api-s
   # Set once SkyPilot saw both partitions through this server (below).
   if [[ -f "$BED_RUN/api-server.ready" ]]; then SERVER_READY=1; fi
 else
+  # A restart asked for, of a server that reads what it read before, keeps what SkyPilot saw through it (the
+  # state is the server's HOME): it is not checked again.
+  if [[ "$(cat "$BED_RUN/api-server.fingerprint" 2>/dev/null)" == "$SERVER_FINGERPRINT" && -f "$BED_RUN/api-server.ready" ]]; then
+    SERVER_READY=1
+  fi
   rm -f "$BED_RUN/api-server.ready"
   # Every process of the old server, not only the one in its pid file: its request executors outlive it and
   # one may hold the port.
@@ -517,8 +522,8 @@ if [[ $SERVER_READY == 0 ]]; then
     "$PY" "$TESTBED_DIR/lib/wait_ready.py" --timeout "${GPUDOOR_TESTBED_READY_TIMEOUT:-240}" \
       --cluster "$SLURM_CLUSTER" "$INFRA_ONPREM=L4:1" "$INFRA_H200=H200:1"
   ) 2>&1 | tee "$BED_LOG/wait_ready.log" >&2
-  touch "$BED_RUN/api-server.ready"
 fi
+touch "$BED_RUN/api-server.ready"
 
 FAILED_STEP=""
 log "test bed up in $((SECONDS - T0)) s; logs in $BED_LOG; env in $STATE_DIR/env"

@@ -59,7 +59,9 @@ def _said(instance: dg.DagsterInstance, run_id: str) -> list[str]:
     return [e.user_message for e in instance.all_logs(run_id)]
 
 
-def test_a_night_and_its_merge_go_on_across_an_outage_of_the_bucket(tmp_path, proxy, s3_bucket_name):
+def test_a_night_and_its_merge_go_on_across_an_outage_of_the_bucket_and_fail_clearly_past_the_bound(
+    tmp_path, proxy, s3_bucket_name, monkeypatch
+):
     with dg.instance_for_test(overrides=OUTAGE_LOGS) as instance:
         night = Night(tmp_path, free_gpus=2, transit=_transit(proxy, s3_bucket_name), instance=instance)
         assert night.materialize("dataset_shards", config={"num_images": 8, "shard_size": 4, "image_size": 16}).success
@@ -90,6 +92,19 @@ def test_a_night_and_its_merge_go_on_across_an_outage_of_the_bucket(tmp_path, pr
         said = _said(instance, merged.run_id)
         assert any("did not answer while" in m and "waiting up to 300 s" in m for m in said)
         assert any("is back after" in m for m in said)
+
+        # Past the bound, the next night and merge fail saying which service, and for how long.
+        monkeypatch.setenv(outage.TOLERANCE_ENV, "2")
+        proxy.down()
+        try:
+            failed = [night.materialize("caption_shards", shards=night.shards), night.materialize("captioned_dataset")]
+        finally:
+            proxy.up()
+        for run in failed:
+            (failure,) = [e for e in run.all_events if e.is_step_failure]
+            text = failure.step_failure_data.error.to_string()
+            assert f"the transit bucket s3://{s3_bucket_name}/transit at {proxy.url} has not answered for" in text
+            assert "longer than GPUDOOR_OUTAGE_TOLERANCE_S=2 s" in text
 
 
 def test_the_checkpoint_sensor_skips_during_an_outage_and_goes_on_from_its_cursor(
