@@ -271,37 +271,51 @@ def cancel_request(request_id: Any) -> None:
         sdk.get(sdk.api_cancel(request_id, silent=True))
 
 
-class _QueueStream(io.TextIOBase):
-    """A text stream that hands complete lines (colour codes removed) to a queue. Written again from the start
-    (a log stream reopened), it hands out only the lines after those it already handed out, as SkyPilot's
-    own resumable streams do."""
+class _Log:
+    """A job's log as handed out: complete lines (colour codes removed) into a queue, each once. Each reading
+    of the log from its start (the stream, a stream reopened, a last read) writes through a writer of its own
+    and hands out only the lines after those already handed out, as SkyPilot's own resumable streams do; a
+    newer writer retires the older ones (a stream stuck on a dead connection that wakes up writes nothing)."""
 
-    def __init__(self, lines: queue.Queue[str]) -> None:
-        self._lines = lines
-        self._partial = ""
-        self.handed = 0  # lines handed out, over every attempt
-        self._written = 0  # complete lines written in this attempt
+    def __init__(self) -> None:
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.handed = 0  # lines handed out, over every reading
+        self._lock = threading.Lock()
+        self._current: _Writer | None = None
+
+    def writer(self) -> _Writer:
+        with self._lock:
+            self._current = _Writer(self)
+            return self._current
+
+    def take(self, writer: _Writer, lines: list[str]) -> None:
+        with self._lock:
+            if writer is not self._current:
+                return
+            for line in lines:
+                writer.written += 1
+                if writer.written > self.handed:
+                    self.handed += 1
+                    self.lines.put(_ANSI.sub("", line).rstrip("\r"))
+
+
+class _Writer(io.TextIOBase):
+    """One reading of a job's log from its start (see :class:`_Log`)."""
+
+    def __init__(self, log: _Log) -> None:
+        self._log, self._partial, self.written = log, "", 0
 
     def writable(self) -> bool:
         return True
 
-    def restart(self) -> None:
-        """The writer starts again from its first line."""
-        self._partial, self._written = "", 0
-
     def write(self, text: str) -> int:
-        data = self._partial + text
-        *complete, self._partial = data.split("\n")
-        for line in complete:
-            self._written += 1
-            if self._written > self.handed:
-                self.handed += 1
-                self._lines.put(_ANSI.sub("", line).rstrip("\r"))
+        *complete, self._partial = (self._partial + text).split("\n")
+        self._log.take(self, complete)
         return len(text)
 
     def flush_partial(self) -> None:
         if self._partial:
-            self._lines.put(_ANSI.sub("", self._partial))
+            self._log.take(self, [self._partial])
             self._partial = ""
 
 
@@ -309,47 +323,63 @@ class ThreadFollower(LogFollower):
     """Runs a blocking SDK log stream (``follow=True``) in a thread; ``poll`` hands out its lines.
 
     A stream the API server breaks off (an outage, a restart) is reopened once the server answers again,
-    from the start, and the lines already handed out are skipped: none is lost or repeated.
+    from the start, and the lines already handed out are skipped: none is lost or repeated. A stream still
+    open when its job has ended (stuck on a connection that went silent) is given up, and ``catch_up`` reads
+    the rest of the log once, without following.
     """
 
-    def __init__(self, stream_to: Callable[[io.TextIOBase], Any]) -> None:
-        self._lines: queue.Queue[str] = queue.Queue()
-        self._stream = _QueueStream(self._lines)
+    def __init__(
+        self, stream_to: Callable[[io.TextIOBase], Any], catch_up: Callable[[io.TextIOBase], Any] | None = None
+    ) -> None:
+        self._log = _Log()
+        self._catch_up = catch_up
         self._attempts = 0
         self._thread = threading.Thread(target=self._run, args=(stream_to,), daemon=True)
         self._thread.start()
 
     def _run(self, stream_to: Callable[[io.TextIOBase], Any]) -> None:
-        def attempt() -> Any:
+        out = self._log.writer()
+
+        def attempt() -> Any:  # each from the log's start
+            nonlocal out
             self._attempts += 1
-            self._stream.restart()
-            return stream_to(self._stream)
+            if self._attempts > 1:
+                out = self._log.writer()
+            return stream_to(out)
 
         try:
-            server().call(attempt, transient, "following a job's log", progress=lambda: self._stream.handed)
+            server().call(attempt, transient, "following a job's log", progress=lambda: self._log.handed)
         except Exception as e:  # The stream ends with the job or the connection; say so in the log.
-            self._lines.put(f"[gpudoor] log stream ended: {type(e).__name__}: {e}")
-        self._stream.flush_partial()
+            self._log.lines.put(f"[gpudoor] log stream ended: {type(e).__name__}: {e}")
+        out.flush_partial()
 
     @property
     def ended(self) -> bool:
         """The SDK's stream returned: the job ended (or the connection dropped), and every line is handed out."""
-        return not self._thread.is_alive() and self._lines.empty()
+        return not self._thread.is_alive() and self._log.lines.empty()
 
     def poll(self) -> list[str]:
         out = []
         while True:
             try:
-                out.append(self._lines.get_nowait())
+                out.append(self._log.lines.get_nowait())
             except queue.Empty:
                 return out
 
     def close(self, wait: bool = True) -> None:
-        """With ``wait``, gives the stream a moment to end (it ends with the job): longer for one reopened after
-        an outage, which may still be catching up. The SDK call cannot be interrupted; the daemon thread ends
-        with the job's log."""
-        if wait:
-            self._thread.join(timeout=2 if self._attempts <= 1 else 30)
+        """With ``wait`` (the job ended), gives the stream a moment to end: longer for one reopened after an
+        outage, which may still be catching up; then reads what a stream still open missed. The SDK call cannot
+        be interrupted; the daemon thread ends with the job's log, or never, on a dead connection."""
+        if not wait:
+            return
+        self._thread.join(timeout=2 if self._attempts <= 1 else 30)
+        if self._thread.is_alive() and self._catch_up is not None:
+            out = self._log.writer()
+            try:
+                self._catch_up(out)
+                out.flush_partial()
+            except Exception as e:  # noqa: BLE001 - the lines handed out stay; say what is missing
+                self._log.lines.put(f"[gpudoor] could not read the end of the log: {type(e).__name__}: {e}")
 
 
 class StreamBroken(ConnectionError):
