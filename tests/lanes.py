@@ -1,8 +1,7 @@
 """``make test``: the test lanes, in two stages, each lane with a bound, and a report that names what failed.
 
 First the tests that need no test bed, in three lanes (a pytest process keeps about half a core busy: its
-tests mostly wait on the processes they start), and beside them one light bed test (``BESIDE_THE_REST``); then the
-bed's tests (``tests/slurm``) in two lanes of their
+tests mostly wait on the processes they start); then the bed's tests (``tests/slurm``) in two lanes of their
 own, split by the GPUs they hold (``BED_LANES``) so that neither lane's jobs change where the other's land.
 The two kinds do not run side by side: the bed's waiting is not free (every look SkyPilot takes at a job is a
 Python process), so beside the bed the rest was starved for minutes on a slow runner and missed its bounds, or
@@ -59,8 +58,6 @@ class Lane:
     name: str
     args: list[str]
     bed: bool = False
-    #: A bed lane that runs in the first stage, beside the rest (see ``BESIDE_THE_REST``).
-    first: bool = False
     proc: subprocess.Popen | None = None
     started: float = 0.0
     seconds: float = 0.0
@@ -81,10 +78,6 @@ BED_LANES = {
     "bed-onprem": ["test_client_on_slurm.py", "test_step_cluster_on_slurm.py", "test_warm_pool_night_on_slurm.py"],
     "bed-h200": ["test_eviction_on_slurm.py", "test_preemption_on_slurm.py", "test_reconciler_on_slurm.py"],
 }
-#: Bed tests light enough to run in the first stage, beside the rest, in a lane of their own: one managed job that
-#: mostly waits (a step losing the API server behind a proxy of its own, holding one H200 of the h200 pool while no
-#: other bed test runs). The bed's two lanes come after, unchanged.
-BESIDE_THE_REST = {"bed-beside": ["test_outage_on_slurm.py"]}
 
 
 #: The rest in three lanes of about the same length: the flows and the programs the jobs run with the transit
@@ -100,7 +93,7 @@ TO_UNIT = ["tests/transit/test_transit_pipes.py"]
 
 def lanes() -> list[Lane]:
     """The lanes, in the order they run: the rest in three lanes, then the bed's tests in two lanes."""
-    placed = {name for files in [*BED_LANES.values(), *BESIDE_THE_REST.values()] for name in files}
+    placed = {name for files in BED_LANES.values() for name in files}
     unplaced = sorted(p.name for p in (REPO_ROOT / SLURM).glob("test_*.py") if p.name not in placed)
     if unplaced:  # a new bed test file must say which lane's GPUs it holds
         raise SystemExit(f"tests/lanes.py: no bed lane for {', '.join(unplaced)}; add it to BED_LANES")
@@ -114,7 +107,6 @@ def lanes() -> list[Lane]:
         Lane("unit", [*first, *TO_UNIT, *LAST_TESTS]),
         Lane("unit-io", [*IO_TESTS, *(f"--ignore={path}" for path in TO_UNIT)]),
         Lane("unit-night", NIGHT_TESTS),
-        *(Lane(name, [f"{SLURM}/{f}" for f in files], bed=True, first=True) for name, files in BESIDE_THE_REST.items()),
         *(Lane(name, [f"{SLURM}/{f}" for f in files], bed=True) for name, files in BED_LANES.items()),
     ]
 
@@ -347,8 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     brought_up = any(lane.bed for lane in lane_list) and _bring_up_bed(reports)
     try:
         for stage in (
-            [lane for lane in lane_list if not lane.bed or lane.first],
-            [lane for lane in lane_list if lane.bed and not lane.first],
+            [lane for lane in lane_list if not lane.bed],
+            [lane for lane in lane_list if lane.bed],
         ):
             for lane in stage:
                 _start(lane, reports)

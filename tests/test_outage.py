@@ -1,6 +1,6 @@
 """The outage rule (``gpudoor_pipelines/outage.py``): who is waited for, how long, and what a step starting
 during an outage knows. The services themselves going away: tests/transit/test_outages_s3.py (the bucket),
-tests/launch/test_client_on_fake_skypilot.py and tests/slurm/test_outage_on_slurm.py (the API server)."""
+tests/launch/test_client_on_fake_skypilot.py (the API server)."""
 
 from __future__ import annotations
 
