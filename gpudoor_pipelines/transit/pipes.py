@@ -25,7 +25,7 @@ def pipes_context_injector(bucket: TransitBucket) -> dg.PipesContextInjector:
     if not isinstance(bucket, S3TransitBucket):
         return dg.PipesTempFileContextInjector()
     prefix = bucket._full(f"{PIPES_PREFIX}/context/")
-    return _s3_classes()[0](bucket=bucket.bucket, client=bucket.client, key_prefix=prefix, service=bucket.service)
+    return _s3_classes()[0](bucket=bucket.bucket, client=bucket.client, key_prefix=prefix, call=bucket._call)
 
 
 def pipes_message_reader(bucket: TransitBucket, interval: float = 5.0) -> dg.PipesMessageReader:
@@ -35,7 +35,7 @@ def pipes_message_reader(bucket: TransitBucket, interval: float = 5.0) -> dg.Pip
         return dg.PipesTempFileMessageReader()
     prefix = bucket._full(f"{PIPES_PREFIX}/messages/")
     return _s3_classes()[1](
-        bucket=bucket.bucket, client=bucket.client, key_root=prefix, interval=interval, service=bucket.service
+        bucket=bucket.bucket, client=bucket.client, key_root=prefix, interval=interval, call=bucket._call
     )
 
 
@@ -48,19 +48,15 @@ def _s3_classes() -> tuple[type, type]:  # on first use: importing dagster_aws c
         """Deletes the context object however the session ends (the stock one: only on success); waits out an
         outage of the bucket while writing it."""
 
-        def __init__(self, *, service: Any, **kwargs: Any):
+        def __init__(self, *, call: Any, **kwargs: Any):
             super().__init__(**kwargs)
-            self.service = service
+            self.call = call  # the bucket's own: its clear errors, and an outage waited out
 
         @contextlib.contextmanager
         def inject_context(self, context: Any):
             key = f"{self.key_prefix}{secrets.token_hex(12)}/context.json"
             body = json.dumps(context).encode()
-            self.service.call(
-                lambda: self.client.put_object(Body=body, Bucket=self.bucket, Key=key),
-                transient,
-                "writing a Pipes context",
-            )
+            self.call("writing a Pipes context", lambda: self.client.put_object(Body=body, Bucket=self.bucket, Key=key))
             try:
                 yield {"bucket": self.bucket, "key": key}
             finally:
@@ -76,9 +72,9 @@ def _s3_classes() -> tuple[type, type]:  # on first use: importing dagster_aws c
         are lost; a 5xx it takes for "no chunk yet").
         """
 
-        def __init__(self, *, key_root: str, service: Any, **kwargs: Any):
+        def __init__(self, *, key_root: str, call: Any, **kwargs: Any):
             super().__init__(include_stdio_in_messages=False, **kwargs)
-            self.key_root, self.service = key_root, service
+            self.key_root, self.call = key_root, call
             self._closing = self._drained = False
             self.looks_after_close = 0  # downloads tried after the session closed (for tests)
 
@@ -123,7 +119,7 @@ def _s3_classes() -> tuple[type, type]:  # on first use: importing dagster_aws c
 
         def _looked(self, look: Any, params: Any) -> Any:
             closing = self._closing
-            result = self.service.call(lambda: look(params), transient, "reading a job's Pipes messages")
+            result = self.call("reading a job's Pipes messages", lambda: look(params))
             if closing:
                 self.looks_after_close += 1
                 self._drained = self._drained or not result

@@ -55,11 +55,10 @@ def transient(error: BaseException) -> bool:
         exceptions.ApiServerConnectionError,
         exceptions.ServerTemporarilyUnavailableError,
         exceptions.RequestInterruptedError,
-        StreamBroken,
         requests.exceptions.ConnectionError,
         requests.exceptions.Timeout,
         requests.exceptions.ChunkedEncodingError,
-        ConnectionError,
+        ConnectionError,  # and StreamBroken
     )
     if isinstance(error, waited):
         return True
@@ -345,7 +344,7 @@ class ThreadFollower(LogFollower):
             self._attempts += 1
             if self._attempts > 1:
                 out = self._log.writer()
-            return stream_to(out)
+            return _follow_exit(stream_to(out))
 
         try:
             server().call(attempt, transient, "following a job's log", progress=lambda: self._log.handed)
@@ -386,9 +385,9 @@ class StreamBroken(ConnectionError):
     """A log stream that ended without its job's end: the API server's request was killed (a restart)."""
 
 
-def follow_exit(code: Any) -> Any:
-    """What ``sky.jobs.tail_logs(follow=True)`` returned, or :class:`StreamBroken` when that is not the end of
-    the job: a negative code is the signal that killed the server's log request (SIGTERM at a restart), and
+def _follow_exit(code: Any) -> Any:
+    """What a followed ``tail_logs`` returned (the job's exit code), or :class:`StreamBroken` when that is not the
+    end of the job: a negative code is the signal that killed the server's log request (SIGTERM at a restart), and
     the stream then ends cleanly, as if its job had."""
     if isinstance(code, int) and code < 0:
         raise StreamBroken(f"the API server's log request ended by signal {-code}")

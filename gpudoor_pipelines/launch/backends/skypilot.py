@@ -335,9 +335,7 @@ class _SkyService(Service):
     def follow_logs(self) -> LogFollower:
         sky = sky_sdk.sky()
         return sky_sdk.ThreadFollower(
-            lambda out: sky_sdk.follow_exit(
-                sky.tail_logs(self.cluster_name, int(self.job_id), follow=True, output_stream=out)
-            )
+            lambda out: sky.tail_logs(self.cluster_name, int(self.job_id), follow=True, output_stream=out)
         )
 
     def log_tail(self, lines: int = 30) -> list[str]:

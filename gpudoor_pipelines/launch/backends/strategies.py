@@ -154,7 +154,7 @@ class ManagedJobs(JobStrategy):
     def follow(self, job_id: str) -> LogFollower:
         sky = sky_sdk.sky()
         return sky_sdk.ThreadFollower(
-            lambda out: sky_sdk.follow_exit(sky.jobs.tail_logs(job_id=int(job_id), follow=True, output_stream=out)),
+            lambda out: sky.jobs.tail_logs(job_id=int(job_id), follow=True, output_stream=out),
             catch_up=lambda out: sky.jobs.tail_logs(job_id=int(job_id), follow=False, output_stream=out),
         )
 
