@@ -88,7 +88,7 @@ IO_TESTS = ["tests/workloads", "tests/transit", "tests/test_flow.py"]
 NIGHT_TESTS = ["tests/test_caption_night.py", "tests/launch"]
 LAST_TESTS = ["tests/e2e"]
 #: Files of the io lane's folders that run in ``unit`` instead, to even the lanes out (no session fixture of theirs).
-TO_UNIT = ["tests/transit/test_transit_pipes.py"]
+TO_UNIT = ["tests/transit/test_transit_pipes.py", "tests/transit/test_housekeeping.py"]
 
 
 def lanes() -> list[Lane]:

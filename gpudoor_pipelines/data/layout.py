@@ -10,6 +10,8 @@
 - ``smoke/<training>/``: the smoke test's output; by the smoke job.
 - ``evals/<checkpoint>/metrics.json``: a checkpoint's scores; by the eval jobs.
 - ``usage/<week>/gpu_hours.png``: the weekly usage chart; by ``gpu_usage``.
+- ``housekeeping/plans/<time>/``: a housekeeping plan and what applying it did; ``housekeeping/scores.json``, the
+  eval scores it ranks checkpoints by; by ``housekeeping_plan`` and ``housekeeping_applied``.
 - ``assets/…``: what the IO manager stores for assets.
 - ``_pipes/``: Dagster Pipes' context and messages while a session lives.
 - ``.tmp-…``: half-written objects, skipped by listings; by the bucket itself.
@@ -29,6 +31,7 @@ ENDED_DIR = "_ended"
 SMOKE = "smoke"
 EVALS = "evals"
 USAGE_CHART = "usage/{week}/gpu_hours.png"
+HOUSEKEEPING = "housekeeping"
 
 __all__ = [
     "ASSETS_PREFIX",
@@ -38,6 +41,7 @@ __all__ = [
     "DATASETS",
     "ENDED_DIR",
     "EVALS",
+    "HOUSEKEEPING",
     "PIPES_PREFIX",
     "SMOKE",
     "TMP_PREFIX",
