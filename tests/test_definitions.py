@@ -16,12 +16,15 @@ def test_definitions_snapshot():
         "dataset_shards",
         "demo",
         "gpu_usage",
+        "housekeeping_applied",
+        "housekeeping_plan",
         "training_run",
     ]
     repo = defs.get_repository_def()
     assert sorted(j for j in repo.job_names if not j.startswith("__")) == [
         "captioning_job",
         "eval_job",
+        "housekeeping_job",
         "merge_captions_job",
         "release_held_gpus_job",
         "stop_demo_job",
@@ -30,6 +33,7 @@ def test_definitions_snapshot():
         "morning_merge_schedule",
         "nightly_captioning_schedule",
         "weekly_gpu_usage_schedule",
+        "weekly_housekeeping_schedule",
     ]
     assert sorted(s.name for s in repo.sensor_defs) == ["new_checkpoint_sensor", "orphan_reconciler"]
     assert sorted(defs.resources) == ["io_manager", "skypilot", "transit"]

@@ -6,8 +6,11 @@ import dagster as dg
 from pydantic import Field, field_validator
 
 from gpudoor_pipelines.assets.concurrency import STEP_POOLS
+from gpudoor_pipelines.data.housekeeping import restore_command
 from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
+from gpudoor_pipelines.transit import tiers
 from gpudoor_pipelines.transit.io_manager import TransitRef
+from gpudoor_pipelines.transit.resource import TransitBucketResource
 
 DEFAULT_DEMO_CLUSTER = "lab-gpudoor-demo"
 
@@ -37,9 +40,17 @@ def demo(
     context: dg.AssetExecutionContext,
     config: DemoConfig,
     skypilot: PipesSkyPilotClient,
+    transit: TransitBucketResource,
     best_checkpoint: TransitRef,
 ) -> dg.MaterializeResult:
     """The best checkpoint behind an HTTP endpoint, for the product team to try; re-materializing replaces it."""
+    bucket = transit.get_bucket()
+    if tiers.unreadable(bucket, bucket.key_of(best_checkpoint.uri)):
+        checkpoint = best_checkpoint.manifest.get("checkpoint", best_checkpoint.uri)
+        raise dg.Failure(
+            description=f"Nothing was launched: housekeeping moved {checkpoint} to cold storage. "
+            f"Fix: {restore_command(checkpoint)}, then materialize demo again."
+        )
     inputs = {"CHECKPOINT_URI": best_checkpoint.uri}
     request = skypilot.request(context, "demo", inputs=inputs, config=config, cluster_name=config.cluster_name)
     request = dataclasses.replace(request, ttl_hours=config.ttl_hours)

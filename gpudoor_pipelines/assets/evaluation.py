@@ -15,8 +15,10 @@ from gpudoor_pipelines.assets.partitions import checkpoint_partitions
 from gpudoor_pipelines.assets.training import TAG_TRAINING_ID, run_info_key, training_run
 from gpudoor_pipelines.data import layout
 from gpudoor_pipelines.data.checkpoints import check_training_id, checkpoint_prefix, training_of
+from gpudoor_pipelines.data.housekeeping import restore_command
 from gpudoor_pipelines.launch.client import LaunchConfig, PipesSkyPilotClient
 from gpudoor_pipelines.launch.resolve.fleet import load_fleet
+from gpudoor_pipelines.transit import tiers
 from gpudoor_pipelines.transit.bucket import MANIFEST_NAME, TransitBucket, TransitObjectMissing
 from gpudoor_pipelines.transit.io_manager import TransitRef
 from gpudoor_pipelines.transit.resource import TransitBucketResource
@@ -119,6 +121,8 @@ def _datasets(bucket: TransitBucket, checkpoints: Sequence[str]) -> tuple[dict[s
     for checkpoint, complete in zip(checkpoints, there, strict=True):
         if not complete:
             problems[checkpoint] = f"no complete checkpoint at {bucket.uri(checkpoint_prefix(checkpoint))}"
+        elif tiers.unreadable(bucket, checkpoint_prefix(checkpoint)):
+            problems[checkpoint] = f"housekeeping moved it to cold storage; fix: {restore_command(checkpoint)}"
         elif training_of(checkpoint) not in datasets:
             problems[checkpoint] = (
                 f"no dataset recorded for training {training_of(checkpoint)} at "

@@ -2,7 +2,7 @@
 
 Inference GPUs are idle off-peak: captioning starts when the window opens, stops starting new work
 when it closes, and the morning merge then merges whatever is done. Every Monday, the GPU usage of
-the week that just ended is refreshed.
+the week that just ended is refreshed; every Sunday, housekeeping plans (and applies, where the fleet says so).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import dagster as dg
 from gpudoor_pipelines.assets.captioning import MAX_SHARDS_PER_RUN, default_caption_model
 from gpudoor_pipelines.assets.partitions import SHARDS
 from gpudoor_pipelines.assets.usage import gpu_usage, last_finished_week
-from gpudoor_pipelines.automation.jobs import captioning_job, merge_captions_job
+from gpudoor_pipelines.automation.jobs import captioning_job, housekeeping_job, merge_captions_job
 from gpudoor_pipelines.data.captions import done_shards
 from gpudoor_pipelines.launch.resolve.fleet import NightWindow
 from gpudoor_pipelines.transit.resource import TransitBucketResource
@@ -93,3 +93,13 @@ def weekly_gpu_usage_schedule(context: dg.ScheduleEvaluationContext):
     """Monday morning: the GPU usage of the week that just ended, once it is complete."""
     week = last_finished_week(context.scheduled_execution_time)
     return dg.RunRequest(run_key=week, partition_key=week)
+
+
+weekly_housekeeping_schedule = dg.ScheduleDefinition(
+    name="weekly_housekeeping_schedule",
+    job=housekeeping_job,
+    cron_schedule="0 7 * * 0",
+    execution_timezone="UTC",
+    default_status=dg.DefaultScheduleStatus.RUNNING,  # plans only, until the fleet's housekeeping.apply is on
+    description="Sunday morning: a housekeeping plan of the transit bucket, applied where housekeeping.apply is on.",
+)

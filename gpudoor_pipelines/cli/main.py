@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gpudoor_pipelines.cli import housekeeping
 from gpudoor_pipelines.launch.errors import LaunchConfigError
 
 
@@ -450,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the job to end")
     _agent_flags(p)
     p.set_defaults(func=_cmd_cancel)
+    housekeeping.add_parser(sub, _dagster_home)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

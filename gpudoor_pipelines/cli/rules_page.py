@@ -288,6 +288,26 @@ def _cost_owners(fleet: Fleet) -> list[str]:
     ]
 
 
+def _housekeeping(fleet: Fleet) -> list[str]:
+    h = fleet.housekeeping
+    delete = f"deleted {h.delete_after_days:g} days after" if h.delete_after_days else "never deleted"
+    return [
+        "## What the transit bucket keeps",
+        "",
+        f"Per training: the best {h.keep_best} checkpoints by `{h.metric}`, the latest {h.keep_latest}, the current",
+        "best checkpoint, the one the demo serves, those of a run in progress, those pinned by the",
+        "`gpudoor/keep-checkpoint` run tag"
+        + (f", and {codes(h.keep)}" if h.keep else "")
+        + ". The others move to cheaper storage",
+        f"(`{h.storage_class}`) {h.cold_after_days:g} days after they were written and are {delete}.",
+        f"Smoke outputs untouched for {h.smoke_days:g} days, Pipes sessions for {h.pipes_days:g}, caption parts of an",
+        f"old caption model once merged, and writes left unfinished for {h.leftovers_days:g} day(s) are deleted.",
+        "The weekly `housekeeping_job` plans it (`gpudoor housekeeping --plan` shows the same plan)"
+        + (" and applies the plan." if h.apply else "; applying is off (`housekeeping.apply`)."),
+        "",
+    ]
+
+
 def render(fleet: Fleet) -> str:
     """The rules page for ``fleet``, as Markdown (the same fleet always gives the same text)."""
     source = display(fleet.source)
@@ -302,6 +322,7 @@ def render(fleet: Fleet) -> str:
         "",
     ]
     out += _pools(fleet) + _routes(fleet) + _injected(fleet) + _priorities_autostop(fleet) + _cost_owners(fleet)
+    out += _housekeeping(fleet)
     out += refusals(fleet, source)
     return "\n".join(out).rstrip("\n") + "\n"
 

@@ -57,6 +57,18 @@ def test_shipped_fleet_loads():
             "evaluation.max_run_per_tick",
             "did you mean 'max_runs_per_tick'",
         ),
+        (
+            lambda r: r["housekeeping"].update(storage_class="GLACIER"),
+            "housekeeping.storage_class",
+            "use one of ['STANDARD_IA'",
+        ),
+        (
+            lambda r: r["housekeeping"].update(delete_after_days=7),
+            "housekeeping.delete_after_days",
+            "at least cold_after_days",
+        ),
+        (lambda r: r["housekeeping"].update(keep_latest=0), "housekeeping.keep_latest", "greater than or equal to 1"),
+        (lambda r: r["housekeeping"].update(cold_days=3), "housekeeping.cold_days", "did you mean 'cold_after_days'"),
     ],
 )
 def test_fleet_mistakes_name_file_field_and_fix(edit, field, words):

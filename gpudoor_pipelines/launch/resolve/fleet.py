@@ -243,6 +243,54 @@ class ReconcilerPolicy(BaseModel):
     dry_run: bool = False
 
 
+class HousekeepingPolicy(BaseModel):
+    """What housekeeping keeps in the transit bucket, and when it moves or deletes the rest (docs/operations.md).
+
+    Attributes:
+        keep_best, keep_latest: per training, the checkpoints kept whatever their age: the best this many by
+            ``metric`` (higher is better), and the latest this many (at least one: a training resumes from it).
+        keep: checkpoints (``<training>.step-N``) or whole trainings kept besides, by name.
+        cold_after_days: a checkpoint past the keep set moves to ``storage_class`` this long after it was written.
+        delete_after_days: ... and is deleted this long after it was written (0: never).
+        storage_class: S3's cheaper storage class (one read at once); a cold folder on the embedded default.
+        smoke_days, pipes_days: smoke outputs and Pipes sessions untouched this long are deleted.
+        leftovers_days: temp files and unfinished multipart uploads this old are removed.
+        apply: whether the weekly run applies its plan; off, it only plans.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    keep_best: int = Field(default=3, ge=0)
+    keep_latest: int = Field(default=2, ge=1)
+    metric: str = "accuracy"
+    keep: tuple[str, ...] = ()
+    cold_after_days: float = Field(default=30.0, gt=0)
+    delete_after_days: float = Field(default=0.0, ge=0)
+    storage_class: str = "STANDARD_IA"
+    smoke_days: float = Field(default=14.0, gt=0)
+    pipes_days: float = Field(default=2.0, gt=0)
+    leftovers_days: float = Field(default=1.0, gt=0)
+    apply: bool = False
+
+    @model_validator(mode="after")
+    def _delete_after_cold(self) -> HousekeepingPolicy:
+        from gpudoor_pipelines.transit.tiers import READABLE_CLASSES
+
+        if self.storage_class not in READABLE_CLASSES:
+            raise _FieldError(
+                "housekeeping.storage_class",
+                f"'{self.storage_class}' is not read at once (a job would wait hours for a restore)",
+                f"use one of {list(READABLE_CLASSES)}",
+            )
+        if self.delete_after_days and self.delete_after_days < self.cold_after_days:
+            raise _FieldError(
+                "housekeeping.delete_after_days",
+                f"{self.delete_after_days:g} is before cold_after_days ({self.cold_after_days:g})",
+                "make it 0 (never) or at least cold_after_days",
+            )
+        return self
+
+
 class Fleet(BaseModel):
     """All pools, the pools each step kind may use in order of preference, and who pays.
 
@@ -257,6 +305,7 @@ class Fleet(BaseModel):
         night_window: when the nightly captioning may launch.
         evaluation: what the checkpoint sensor evaluates, and how much at once.
         reconciler: what the orphan reconciler releases, and when; interactive clusters' time to live.
+        housekeeping: what stays in the transit bucket, what moves to cheaper storage, what is deleted.
         secrets: the secrets a job may ask for by name (``secrets: {HF_TOKEN: null}`` in its task file).
         live_caps: who counts what running jobs hold before a launch, for the caps. ``launcher``: the
             launcher reads it (one full-queue request per launch, seconds on a busy server) and routes
@@ -283,6 +332,7 @@ class Fleet(BaseModel):
     night_window: NightWindow = Field(default_factory=NightWindow)
     evaluation: EvalPolicy = Field(default_factory=EvalPolicy)
     reconciler: ReconcilerPolicy = Field(default_factory=ReconcilerPolicy)
+    housekeeping: HousekeepingPolicy = Field(default_factory=HousekeepingPolicy)
     secrets: tuple[str, ...] = ()
     live_caps: Literal["launcher", "server"] = "launcher"
     launch_as: dict[str, Literal["managed", "cluster"]] = Field(default_factory=dict)
@@ -405,6 +455,7 @@ def parse_fleet(raw: Any, source: str) -> Fleet:
                 "pools": Pool,
                 "evaluation": EvalPolicy,
                 "reconciler": ReconcilerPolicy,
+                "housekeeping": HousekeepingPolicy,
                 "night_window": NightWindow,
             }.get(loc[0], Fleet)
             known = _known_fields(model)
