@@ -299,8 +299,12 @@ class S3TransitBucket(TransitBucket):
         yield from (key for key, _ in self.list_sized(prefix, start_after))
 
     def list_sized(self, prefix: str = "", start_after: str | None = None) -> Iterator[tuple[str, int]]:
-        """Page after page, each asked from the last key seen (``StartAfter``, no continuation token): a page
-        that fails in an outage is asked again, even of a restarted server, and nothing is listed twice."""
+        yield from ((key, obj["Size"]) for key, obj in self.listed(prefix, start_after))
+
+    def listed(self, prefix: str = "", start_after: str | None = None) -> Iterator[tuple[str, dict]]:
+        """(key, S3's entry: ``Size``, ``LastModified``, ``StorageClass``...) of the keys under ``prefix``, page
+        after page, each asked from the last key seen (``StartAfter``, no continuation token): a page that fails
+        in an outage is asked again, even of a restarted server, and nothing is listed twice."""
         _clean(prefix := prefix.lstrip("/"), allow_empty=True)
         client, root, after = self._connect()[0], len(self._full("")), start_after
         doing = f"listing {self.uri('')}/{prefix}"
@@ -311,7 +315,7 @@ class S3TransitBucket(TransitBucket):
             page = self._call(doing, lambda kwargs=kwargs: client.list_objects_v2(**kwargs))
             for obj in page.get("Contents", ()):
                 after = obj["Key"][root:]
-                yield after, obj["Size"]
+                yield after, obj
             if not page.get("IsTruncated") or not page.get("Contents"):
                 return
 

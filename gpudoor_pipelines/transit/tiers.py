@@ -94,17 +94,8 @@ def _local_objects(bucket: LocalTransitBucket, prefix: str, storage_class: str) 
 
 
 def _s3_objects(bucket: S3TransitBucket, prefix: str) -> Iterator[Listed]:
-    client, root, after = bucket.client, len(bucket._full("")), None
-    while True:  # from the last key seen, like list_sized: a page asked again in an outage lists nothing twice
-        kwargs = {"Bucket": bucket.bucket, "Prefix": bucket._full(prefix)}
-        if after:
-            kwargs["StartAfter"] = bucket._full(after)
-        page = bucket._call(f"listing {bucket.uri(prefix)}", lambda kwargs=kwargs: client.list_objects_v2(**kwargs))
-        for obj in page.get("Contents", ()):
-            after = obj["Key"][root:]
-            yield Listed(after, obj["Size"], obj["LastModified"].timestamp(), obj.get("StorageClass") or HOT)
-        if not page.get("IsTruncated") or not page.get("Contents"):
-            return
+    for key, obj in bucket.listed(prefix):
+        yield Listed(key, obj["Size"], obj["LastModified"].timestamp(), obj.get("StorageClass") or HOT)
 
 
 def leftovers(bucket: TransitBucket) -> Iterator[Listed]:
