@@ -67,7 +67,7 @@ def protected_now(instance: dg.DagsterInstance, fleet: Fleet) -> Protected:
             found.trainings[tags[TAG_TRAINING_ID]] = f"its training is running ({why})"
         if ".step-" in tags.get("dagster/partition", ""):
             found.checkpoints[tags["dagster/partition"]] = why
-        if all(t in tags for t in _RANGE):
+        if all(".step-" in tags.get(t, "") for t in _RANGE):  # an eval run's checkpoints (not caption shards)
             found.ranges.append((tags[_RANGE[0]], tags[_RANGE[1]], why))
     for _, values in instance.get_run_tags(tag_keys=[TAG_KEEP]):
         for value in values:
@@ -99,7 +99,7 @@ def _numbers(by_prefix: list[dict[str, Any]], actions: tuple[str, ...]) -> dict[
     return out
 
 
-@dg.asset(group_name="housekeeping", kinds={"python", "s3"})
+@dg.asset(group_name="housekeeping", kinds={"python"})
 def housekeeping_plan(context: dg.AssetExecutionContext, transit: TransitBucketResource) -> TransitRef:
     """What housekeeping would do to every object of the transit bucket, and why (Parquet in the bucket)."""
     fleet = load_fleet()
@@ -121,7 +121,7 @@ def housekeeping_plan(context: dg.AssetExecutionContext, transit: TransitBucketR
     return TransitRef(uri=bucket.uri(plan.key), manifest={"key": plan.key, "planned_at": plan.planned_at})
 
 
-@dg.asset(group_name="housekeeping", kinds={"python", "s3"})
+@dg.asset(group_name="housekeeping", kinds={"python"})
 def housekeeping_applied(
     context: dg.AssetExecutionContext, transit: TransitBucketResource, housekeeping_plan: TransitRef
 ) -> dg.MaterializeResult:
