@@ -10,7 +10,7 @@
 #   GPUDOOR_TESTBED_ROOT          everything the bed owns        (default /var/lib/gpudoor-testbed)
 #   GPUDOOR_TESTBED_HOME          HOME of the API server         (default $ROOT/home)
 #   GPUDOOR_TESTBED_LOG_DIR       logs                           (default $ROOT/log)
-#   GPUDOOR_TESTBED_API_PORT      API server port                (default 46590)
+#   GPUDOOR_TESTBED_API_PORT      API server port                (default 29590)
 #   GPUDOOR_TESTBED_ADMIN_POLICY  module.Class -> `admin_policy:` in the server config
 #                                 (default: the project's policy; empty: none)
 #   GPUDOOR_TESTBED_PLUGINS       the server's plugins file (SKYPILOT_SERVER_PLUGINS_CONFIG)

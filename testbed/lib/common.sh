@@ -24,9 +24,10 @@ SLURM_CLUSTER="${GPUDOOR_TESTBED_CLUSTER:-gpudoor-bed}"   # Host in ~/.slurm/con
 LOGIN_USER="${GPUDOOR_TESTBED_USER:-gpudoor}"
 SSH_PORT="${GPUDOOR_TESTBED_SSH_PORT:-2222}"
 # Not SkyPilot's default local port (46580): a client pointed here treats the server as remote
-# and never auto-starts a second server with its own HOME when the bed is down.
-API_PORT="${GPUDOOR_TESTBED_API_PORT:-46590}"
-PROBE_PORT="${GPUDOOR_TESTBED_PROBE_PORT:-46591}"
+# and never auto-starts a second server with its own HOME when the bed is down. Below Linux's ephemeral
+# range (32768-60999): no client connection of the machine (nor its TIME_WAIT) can hold the port at start.
+API_PORT="${GPUDOOR_TESTBED_API_PORT:-29590}"
+PROBE_PORT="${GPUDOOR_TESTBED_PROBE_PORT:-29591}"
 API_ENDPOINT="http://127.0.0.1:$API_PORT"
 PROBE_URL="http://127.0.0.1:$PROBE_PORT"
 
