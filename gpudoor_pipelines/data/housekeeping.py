@@ -162,37 +162,37 @@ class _Rows:
 
 # ------------------------------------------------------------------------------------------ what it knows
 def read_scores(bucket: TransitBucket, metric: str) -> tuple[dict[str, float], int]:
-    """Every evaluated checkpoint's score, from the index in the bucket plus the metrics written since
-    (read 16 at a time); the index is written back. Returns the scores and how many metrics were read."""
+    """Every evaluated checkpoint's score, from the index in the bucket plus the metrics written (or written
+    again) since (read 16 at a time); the index is written back. Returns the scores and how many were read."""
     try:
         index = json.loads(bucket.get_bytes(SCORES_KEY))
     except (TransitObjectMissing, ValueError):
         index = {}
     if index.get("metric") != metric:
         index = {"metric": metric, "scores": {}}
-    scores: dict[str, list] = index["scores"]  # checkpoint -> [score or None, modified]
+    scores: dict[str, list] = index["scores"]  # checkpoint -> [score or None, when its metrics were written]
     todo: list[tuple[str, str, float]] = []
     listed: set[str] = set()
-    for key, _size in bucket.list_sized(f"{layout.EVALS}/"):
-        parts = key.split("/")
+    for item in tiers.list_objects(bucket, f"{layout.EVALS}/"):
+        parts = item.key.split("/")
         if len(parts) == 3 and parts[2] == "metrics.json":
             listed.add(parts[1])
-            if parts[1] not in scores:
-                todo.append((parts[1], key, 0.0))
+            if parts[1] not in scores or scores[parts[1]][1] != item.modified:  # new, or evaluated again
+                todo.append((parts[1], item.key, item.modified))
     gone = [c for c in scores if c not in listed]  # their metrics were deleted: so is their score
     for checkpoint in gone:
         del scores[checkpoint]
 
-    def score(item: tuple[str, str, float]) -> tuple[str, float | None]:
+    def score(item: tuple[str, str, float]) -> tuple[str, list]:
+        checkpoint, key, modified = item
         try:
-            value = json.loads(bucket.get_bytes(item[1])).get(metric)
+            value = json.loads(bucket.get_bytes(key)).get(metric)
         except (TransitObjectMissing, ValueError, AttributeError):
-            return item[0], None
-        return item[0], float(value) if isinstance(value, int | float) else None
+            value = None
+        return checkpoint, [float(value) if isinstance(value, int | float) else None, modified]
 
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        for checkpoint, value in pool.map(score, todo):
-            scores[checkpoint] = [value, 0.0]
+        scores.update(pool.map(score, todo))
     if todo or gone:
         bucket.put_bytes(SCORES_KEY, json.dumps(index).encode())
     return {c: v[0] for c, v in scores.items() if v[0] is not None}, len(todo)

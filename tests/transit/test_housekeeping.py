@@ -208,3 +208,17 @@ def test_an_unfinished_upload_older_than_a_day_is_aborted(transit_bucket):
     assert [r["action"] for batch in plan_rows(bucket, plan.key, ["abort"]) for r in batch] == ["abort"]
     apply_plan(bucket, plan.key, Protected(), now=LATER)
     assert not list(tiers.leftovers(bucket))
+
+
+def test_a_checkpoint_evaluated_again_is_ranked_by_its_new_score(team_bucket):
+    bucket, protected = team_bucket
+    plan = make_plan(bucket, RETENTION, protected, now=LATER)
+    assert actions(bucket, plan.key)["checkpoints/ended/step-000007/model.pt"][0] == COLD
+    if not isinstance(bucket, LocalTransitBucket):
+        time.sleep(1.1)  # S3 dates an object to the second
+    bucket.put_bytes(f"evals/{ckpt('ended', 7)}/metrics.json", json.dumps({"accuracy": 0.95}).encode())
+    plan = make_plan(bucket, RETENTION, protected, now=LATER + 60)
+    assert plan.scores_read == 1  # only the metrics written since the last plan
+    rows = actions(bucket, plan.key)
+    assert rows["checkpoints/ended/step-000007/model.pt"] == (KEEP, "one of the best 2 by accuracy")
+    assert rows["checkpoints/ended/step-000004/model.pt"][0] == COLD  # pushed out of the best two
