@@ -64,10 +64,14 @@ def run(args: argparse.Namespace) -> int:
         return _print(args, summary, _human_totals(summary["by_prefix"], f"applied {args.apply}"))
     plan = hk.make_plan(bucket, retention(fleet), protected)
     summary = plan.summary()
-    rows = [r for batch in hk.plan_rows(bucket, plan.key, [a for a in hk.ACTIONS if a != hk.KEEP]) for r in batch]
+    shown: list[dict] = []
+    changes = 0  # rows that change something, counted as they stream by: a plan may name millions
+    for batch in hk.plan_rows(bucket, plan.key, [a for a in hk.ACTIONS if a != hk.KEEP]):
+        shown.extend(batch[: max(args.rows - len(shown), 0)])
+        changes += len(batch)
     payload = {**summary, "plan_uri": bucket.uri(plan.key), "apply_with": f"gpudoor housekeeping --apply {plan.key}"}
-    payload["rows"] = rows[: args.rows]
-    payload["rows_left_out"] = max(len(rows) - args.rows, 0)
+    payload["rows"] = shown
+    payload["rows_left_out"] = changes - len(shown)
     head = f"plan {plan.key} ({bucket.uri(plan.key)}): {plan.rows} objects, {summary['bytes'] / GiB:.3f} GiB"
     human = _human_totals(summary["by_prefix"], head)
     human += "".join(f"\n  {r['action']:8} {r['key']}  ({r['reason']})" for r in payload["rows"])
