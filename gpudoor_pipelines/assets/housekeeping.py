@@ -6,6 +6,7 @@ the bucket's size as numbers the UI plots across runs; ``housekeeping_applied`` 
 this Dagster instance at both steps (:func:`protected_now`).
 """
 
+import dataclasses
 from typing import Any
 
 import dagster as dg
@@ -32,18 +33,11 @@ _IN_PROGRESS = [
 
 
 def retention(fleet: Fleet) -> Retention:
-    """The fleet's ``housekeeping:`` as the planner takes it, with the current caption model."""
-    h = fleet.housekeeping
+    """The fleet's ``housekeeping:`` as the planner takes it (the fields both have), with the current caption
+    model and how long a training with no end recorded counts as running."""
+    given = fleet.housekeeping.model_dump()
     return Retention(
-        keep_best=h.keep_best,
-        keep_latest=h.keep_latest,
-        metric=h.metric,
-        cold_after_days=h.cold_after_days,
-        delete_after_days=h.delete_after_days,
-        storage_class=h.storage_class,
-        smoke_days=h.smoke_days,
-        pipes_days=h.pipes_days,
-        leftovers_days=h.leftovers_days,
+        **{f.name: given[f.name] for f in dataclasses.fields(Retention) if f.name in given},
         caption_model=default_caption_model(),
         running_window_days=fleet.evaluation.forget_training_after_hours / 24,
     )

@@ -115,8 +115,6 @@ def _top(key: str) -> str:
 class _Rows:
     """Rows written to a Parquet file a batch at a time, with totals by top prefix and action."""
 
-    COLUMNS = ("key", "size", "modified", "storage_class", "action", "reason", "upload_id")
-
     def __init__(self, path: str) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -133,13 +131,14 @@ class _Rows:
             ]
         )
         self.writer = pq.ParquetWriter(path, self.schema)
-        self.batch: dict[str, list] = {c: [] for c in self.COLUMNS}
+        self.columns = self.schema.names
+        self.batch: dict[str, list] = {c: [] for c in self.columns}
         self.totals: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
         self.rows = 0
 
     def add(self, item: Listed, action: str, reason: str) -> None:
         values = (item.key, item.size, item.modified, item.storage_class, action, reason, item.upload_id)
-        for column, value in zip(self.COLUMNS, values, strict=True):
+        for column, value in zip(self.columns, values, strict=True):
             self.batch[column].append(value)
         total = self.totals[(_top(item.key), action)]
         total[0] += 1
@@ -153,7 +152,7 @@ class _Rows:
 
         if self.batch["key"]:
             self.writer.write_table(pa.Table.from_pydict(self.batch, schema=self.schema))
-            self.batch = {c: [] for c in self.COLUMNS}
+            self.batch = {c: [] for c in self.columns}
 
     def close(self) -> None:
         self.flush()
@@ -393,14 +392,21 @@ def make_plan(
     return result
 
 
-def plan_rows(bucket: TransitBucket, plan_key: str, actions: Iterable[str] | None = None) -> Iterator[list[dict]]:
-    """The plan's rows a batch at a time (only those of ``actions``, if given)."""
+def open_plan(bucket: TransitBucket, plan_key: str) -> Any:
+    """The plan's Parquet file (a ``pyarrow.parquet.ParquetFile``), read once from the bucket."""
     import io
 
     import pyarrow.parquet as pq
 
+    return pq.ParquetFile(io.BytesIO(bucket.get_bytes(f"{plan_key}/{PLAN_FILE}")))
+
+
+def plan_rows(
+    bucket: TransitBucket, plan_key: str, actions: Iterable[str] | None = None, *, plan: Any = None
+) -> Iterator[list[dict]]:
+    """The plan's rows a batch at a time (only those of ``actions``, if given); ``plan``: :func:`open_plan`'s,
+    for a caller that goes over the plan more than once."""
     wanted = set(actions) if actions is not None else None
-    data = pq.ParquetFile(io.BytesIO(bucket.get_bytes(f"{plan_key}/{PLAN_FILE}")))
-    for batch in data.iter_batches(batch_size=BATCH_ROWS):
+    for batch in (plan or open_plan(bucket, plan_key)).iter_batches(batch_size=BATCH_ROWS):
         rows = batch.to_pylist()
         yield [r for r in rows if wanted is None or r["action"] in wanted]

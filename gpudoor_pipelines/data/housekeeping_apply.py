@@ -19,7 +19,18 @@ from collections.abc import Callable
 
 from gpudoor_pipelines.data import layout
 from gpudoor_pipelines.data.checkpoints import checkpoint_key
-from gpudoor_pipelines.data.housekeeping import ABORT, COLD, DAY, DELETE, KEEP, RESTORE, Protected, _top, plan_rows
+from gpudoor_pipelines.data.housekeeping import (
+    ABORT,
+    COLD,
+    DAY,
+    DELETE,
+    KEEP,
+    RESTORE,
+    Protected,
+    _top,
+    open_plan,
+    plan_rows,
+)
 from gpudoor_pipelines.transit import tiers
 from gpudoor_pipelines.transit.bucket import MANIFEST_NAME, TransitBucket, TransitObjectMissing
 from gpudoor_pipelines.transit.tiers import Listed
@@ -88,12 +99,12 @@ def apply_plan(
             f"the plan {plan_key} is {age / 3600:.0f} h old (more than {MAX_PLAN_AGE_S / 3600:.0f} h): the bucket "
             "has changed since; make a new plan and apply that"
         )
-    storage_class = manifest["retention"]["storage_class"]
-    tiers.check_storage_class(bucket, storage_class)
+    storage_class = manifest["retention"]["storage_class"]  # checked by the fleet file it came from
     result = ApplyResult(plan_key, defaultdict(lambda: [0, 0]))
+    plan = open_plan(bucket, plan_key)
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         for name, wanted in PASSES.items():
-            for i, batch in enumerate(plan_rows(bucket, plan_key)):
+            for i, batch in enumerate(plan_rows(bucket, plan_key, plan=plan)):
                 marker = f"{plan_key}/applied/{name}-{i:05d}.json"
                 try:
                     recorded = json.loads(bucket.get_bytes(marker))
@@ -101,11 +112,11 @@ def apply_plan(
                     recorded = None
                 if recorded is not None:
                     result.batches_resumed += 1
-                    done = recorded["done"]
                 else:
-                    done = _apply_batch(bucket, [r for r in batch if wanted(r)], protected, storage_class, pool, result)
-                    bucket.put_bytes(marker, json.dumps({"done": done}).encode())
-                for prefix, action, n, size in done:
+                    recorded = _apply_batch(bucket, [r for r in batch if wanted(r)], protected, storage_class, pool)
+                    bucket.put_bytes(marker, json.dumps(recorded).encode())
+                result.protected_since += recorded["protected"]
+                for prefix, action, n, size in recorded["done"]:
                     result.done[(prefix, action)][0] += n
                     result.done[(prefix, action)][1] += size
     result.done = dict(result.done)
@@ -118,13 +129,14 @@ def _apply_batch(
     protected: Protected,
     storage_class: str,
     pool: concurrent.futures.ThreadPoolExecutor,
-    result: ApplyResult,
-) -> list[tuple[str, str, int, int]]:
+) -> dict:
+    """One batch applied: ``{"done": [(prefix, action, objects, bytes)...], "protected": rows left alone}``."""
     by_action: dict[str, list[dict]] = defaultdict(list)
+    protected_since = 0
     for row in rows:
         checkpoint = _checkpoint_of(row["key"])
         if row["action"] in (COLD, DELETE) and checkpoint and protected.why(checkpoint):
-            result.protected_since += 1
+            protected_since += 1
             continue
         by_action[row["action"]].append(row)
     if by_action[DELETE]:
@@ -138,4 +150,4 @@ def _apply_batch(
         for r in items:
             done[(_top(r["key"]), action)][0] += 1
             done[(_top(r["key"]), action)][1] += int(r["size"] or 0)
-    return [(p, a, n, b) for (p, a), (n, b) in sorted(done.items())]
+    return {"done": [(p, a, n, b) for (p, a), (n, b) in sorted(done.items())], "protected": protected_since}

@@ -23,7 +23,6 @@ from gpudoor_pipelines.transit.bucket import (
     TMP_PREFIX,
     LocalTransitBucket,
     TransitBucket,
-    TransitConfigError,
     _atomic_write,
     _clean,
 )
@@ -58,15 +57,6 @@ class Listed:
 def cold_root(bucket: LocalTransitBucket) -> Path:
     """The embedded default's cold folder: beside the transit folder."""
     return bucket.root.with_name(bucket.root.name + "-cold")
-
-
-def check_storage_class(bucket: TransitBucket, storage_class: str) -> None:
-    """A TransitConfigError naming the fleet field unless ``storage_class`` is one a job can read at once."""
-    if isinstance(bucket, S3TransitBucket) and storage_class not in READABLE_CLASSES:
-        raise TransitConfigError(
-            f"housekeeping.storage_class {storage_class!r}: objects in it cannot be read without a restore; "
-            f"use one of {', '.join(READABLE_CLASSES)}"
-        )
 
 
 # ------------------------------------------------------------------------------------------ listing
