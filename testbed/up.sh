@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Bring up the local test bed: a Slurm cluster on this machine (two fake-GPU nodes), reached
+# Bring up the local test bed: a Slurm cluster on this machine (four fake-GPU nodes), reached
 # over SSH on 127.0.0.1, and a SkyPilot API server whose managed-jobs controller runs in
 # consolidation mode, so tests can run real `sky.jobs.launch` jobs on real Slurm.
 #
@@ -15,7 +15,7 @@
 #                                 (default: the project's policy; empty: none)
 #   GPUDOOR_TESTBED_PLUGINS       the server's plugins file (SKYPILOT_SERVER_PLUGINS_CONFIG)
 #                                 (default: deploy/skypilot/plugins.yaml; empty: none)
-#   GPUDOOR_TESTBED_READY_TIMEOUT seconds to wait for SkyPilot to see both partitions (default 240)
+#   GPUDOOR_TESTBED_READY_TIMEOUT seconds to wait for SkyPilot to see every partition (default 240)
 #   GPUDOOR_TESTBED_RESTART_SERVER=1  restart the API server even if nothing it reads changed (what a
 #                                 team's server restart does: every process of the old one ends first)
 # Writes testbed/.state/env (exports for clients) and prints it.
@@ -197,13 +197,16 @@ step "slurm"
 # Five H200s: the bed's h200 (three GPUs) and inference (two) pools share the partition, and the tests
 # that use one pool run side by side with those that use the other.
 for n in 0 1; do touch "$BED_DEV/l4-$n"; done
+# One L4 each for east and west: partitions no other test holds, so a test can fill one and see the other free.
+touch "$BED_DEV/east-l4-0" "$BED_DEV/west-l4-0"
 for n in 0 1 2 3 4; do touch "$BED_DEV/h200-$n"; done
 chmod 666 "$BED_DEV"/*
 HOST_SHORT="$(hostname -s)"
 SLURM_CHANGED=0
 write_if_changed "$SLURM_CONF_DIR/slurm.conf" 644 <<EOF && SLURM_CHANGED=1
-# Written by gpudoor testbed/up.sh: one machine, two slurmd daemons standing in for two GPU
-# nodes (SkyPilot reads one GPU type per node, so each GPU type gets its own node).
+# Written by gpudoor testbed/up.sh: one machine, four slurmd daemons standing in for four GPU
+# nodes (SkyPilot reads one GPU type per node, so each GPU type gets its own node; east and west
+# are one-L4 partitions of their own).
 ClusterName=$SLURM_CLUSTER
 SlurmctldHost=$HOST_SHORT(127.0.0.1)
 SlurmUser=root
@@ -237,9 +240,13 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 NodeName=bed-l4 NodeHostname=$HOST_SHORT NodeAddr=127.0.0.1 Port=6818 CPUs=16 RealMemory=64000 Gres=gpu:l4:2 State=UNKNOWN
 NodeName=bed-h200 NodeHostname=$HOST_SHORT NodeAddr=127.0.0.1 Port=6819 CPUs=16 RealMemory=64000 Gres=gpu:h200:5 State=UNKNOWN
+NodeName=bed-east NodeHostname=$HOST_SHORT NodeAddr=127.0.0.1 Port=6820 CPUs=16 RealMemory=64000 Gres=gpu:l4:1 State=UNKNOWN
+NodeName=bed-west NodeHostname=$HOST_SHORT NodeAddr=127.0.0.1 Port=6821 CPUs=16 RealMemory=64000 Gres=gpu:l4:1 State=UNKNOWN
 # Time limits keep SkyPilot from warning that jobs may wait behind reservations.
 PartitionName=onprem Nodes=bed-l4 Default=YES DefaultTime=04:00:00 MaxTime=1-00:00:00 State=UP
 PartitionName=h200 Nodes=bed-h200 DefaultTime=04:00:00 MaxTime=1-00:00:00 State=UP
+PartitionName=east Nodes=bed-east DefaultTime=04:00:00 MaxTime=1-00:00:00 State=UP
+PartitionName=west Nodes=bed-west DefaultTime=04:00:00 MaxTime=1-00:00:00 State=UP
 EOF
 # Fake GPUs: empty regular files as devices (a GRES with only Count= leaves the node INVAL).
 write_if_changed "$SLURM_CONF_DIR/gres.conf" 644 <<EOF && SLURM_CHANGED=1
@@ -247,12 +254,15 @@ write_if_changed "$SLURM_CONF_DIR/gres.conf" 644 <<EOF && SLURM_CHANGED=1
 AutoDetect=off
 NodeName=bed-l4 Name=gpu Type=l4 File=$BED_DEV/l4-[0-1]
 NodeName=bed-h200 Name=gpu Type=h200 File=$BED_DEV/h200-[0-4]
+NodeName=bed-east Name=gpu Type=l4 File=$BED_DEV/east-l4-0
+NodeName=bed-west Name=gpu Type=l4 File=$BED_DEV/west-l4-0
 EOF
 if [[ -f "$SLURM_CONF_DIR/cgroup.conf" ]]; then
   mv "$SLURM_CONF_DIR/cgroup.conf" "$SLURM_CONF_DIR/cgroup.conf.disabled-by-testbed"
   SLURM_CHANGED=1
 fi
-mkdir -p "$BED_SLURM/ctld" "$BED_SLURM/spool/bed-l4" "$BED_SLURM/spool/bed-h200"
+mkdir -p "$BED_SLURM/ctld" "$BED_SLURM/spool/bed-l4" "$BED_SLURM/spool/bed-h200" "$BED_SLURM/spool/bed-east" \
+  "$BED_SLURM/spool/bed-west"
 # SkyPilot's job executor on the node resolves every name in SLURM_JOB_NODELIST
 # (socket.gethostbyname): the node names must resolve, to this machine.
 if ! grep -qE "^127\.0\.0\.1[[:space:]]+${SLURMD_NODES[*]}[[:space:]]+# gpudoor-testbed" /etc/hosts; then
@@ -452,7 +462,7 @@ SERVER_READY=0
 if [[ "${GPUDOOR_TESTBED_RESTART_SERVER:-}" != 1 ]] && pid_alive "$BED_RUN/api-server.pid" && server_healthy &&
    [[ "$(cat "$BED_RUN/api-server.fingerprint" 2>/dev/null)" == "$SERVER_FINGERPRINT" ]]; then
   log "API server already up"
-  # Set once SkyPilot saw both partitions through this server (below).
+  # Set once SkyPilot saw every partition through this server (below).
   if [[ -f "$BED_RUN/api-server.ready" ]]; then SERVER_READY=1; fi
 else
   # A restart asked for, of a server that reads what it read before, keeps what SkyPilot saw through it (the
@@ -490,6 +500,8 @@ fi
 # ---------------------------------------------------------------- client env
 INFRA_ONPREM="slurm/$SLURM_CLUSTER/onprem"
 INFRA_H200="slurm/$SLURM_CLUSTER/h200"
+INFRA_EAST="slurm/$SLURM_CLUSTER/east"
+INFRA_WEST="slurm/$SLURM_CLUSTER/west"
 ENV_BODY="$(cat <<EOF
 # SkyPilot client settings for the gpudoor test bed (written by testbed/up.sh).
 export SKYPILOT_API_SERVER_ENDPOINT=$API_ENDPOINT
@@ -501,6 +513,8 @@ export SKY_RUNTIME_DIR=$CLIENT_RUNTIME
 export GPUDOOR_TESTBED_PROBE_URL=$PROBE_URL
 export GPUDOOR_TESTBED_INFRA_ONPREM=$INFRA_ONPREM
 export GPUDOOR_TESTBED_INFRA_H200=$INFRA_H200
+export GPUDOOR_TESTBED_INFRA_EAST=$INFRA_EAST
+export GPUDOOR_TESTBED_INFRA_WEST=$INFRA_WEST
 export GPUDOOR_TESTBED_LOG_DIR=$BED_LOG
 export GPUDOOR_TESTBED_SERVER_HOME=$BED_HOME
 export GPUDOOR_TESTBED_ROOT=$BED_ROOT
@@ -513,14 +527,14 @@ echo "$ENV_BODY" | write_if_changed "$STATE_DIR/env" 644 || true
 echo "$ENV_BODY" | write_if_changed "$BED_ROOT/env" 644 || true
 
 if [[ $SERVER_READY == 0 ]]; then
-  step "SkyPilot sees Slurm (sky.check, both partitions usable)"
+  step "SkyPilot sees Slurm (sky.check, every partition usable)"
   (
     set -a
     # shellcheck disable=SC1091
     source "$STATE_DIR/env"
     set +a
     "$PY" "$TESTBED_DIR/lib/wait_ready.py" --timeout "${GPUDOOR_TESTBED_READY_TIMEOUT:-240}" \
-      --cluster "$SLURM_CLUSTER" "$INFRA_ONPREM=L4:1" "$INFRA_H200=H200:1"
+      --cluster "$SLURM_CLUSTER" "$INFRA_ONPREM=L4:1" "$INFRA_H200=H200:1" "$INFRA_EAST=L4:1" "$INFRA_WEST=L4:1"
   ) 2>&1 | tee "$BED_LOG/wait_ready.log" >&2
 fi
 touch "$BED_RUN/api-server.ready"

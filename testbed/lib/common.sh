@@ -35,7 +35,7 @@ LOGIN_HOME="/home/$LOGIN_USER"
 SSH_KEY="$BED_HOME/.ssh/gpudoor-bed"
 
 SLURM_CONF_DIR=/etc/slurm
-SLURMD_NODES=(bed-l4 bed-h200)
+SLURMD_NODES=(bed-l4 bed-h200 bed-east bed-west)
 
 log() { printf '[testbed %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 

@@ -1,4 +1,4 @@
-"""Wait until the test bed's SkyPilot API server can place work on both Slurm partitions.
+"""Wait until the test bed's SkyPilot API server can place work on every Slurm partition of the bed.
 
 Run by testbed/up.sh with the client environment (testbed/.state/env) loaded. Uses the
 SkyPilot Python SDK only:
@@ -13,7 +13,8 @@ Before that, once the server answers: a warm pool the previous server was shutti
 stopped stays SHUTTING_DOWN for good (its controller process died with that server) and takes the
 server's only pool slot; it is purged (``sky.jobs.pool_down(purge=True)``, SkyPilot's own way out).
 
-Usage: python wait_ready.py --timeout 180 slurm/gpudoor-bed/onprem=L4:1 slurm/gpudoor-bed/h200=H200:1
+Usage: python wait_ready.py --timeout 180 --cluster gpudoor-bed slurm/gpudoor-bed/onprem=L4:1 \
+    slurm/gpudoor-bed/h200=H200:1 slurm/gpudoor-bed/east=L4:1 slurm/gpudoor-bed/west=L4:1
 Exit status 0 when everything is usable, 1 otherwise (reason on stderr).
 """
 
