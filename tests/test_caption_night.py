@@ -50,6 +50,7 @@ class Night:
         fleet = yaml.safe_load((SPECS_DIR / "fleet.yaml").read_text())
         fleet["pools"]["onprem"].update(gpu_cap=free_gpus, max_gpus_per_user=free_gpus)
         fleet["routes"]["caption"] = ["onprem"]
+        fleet.pop("sharing", None)  # onprem's cap shrinks below the teams' quotas there
         (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(fleet))
         self.home = tmp_path / "home"
         self.transit = transit or TransitBucketResource(kind="local", local_root=str(tmp_path / "bucket"))

@@ -38,6 +38,7 @@ def changed_fleet(tmp_path, fleet_raw):
         "env": {"CHECKPOINTS_DIR": "/borrowed/a100/checkpoints", "A100_ONLY_SETTING": "/borrowed/a100/opt"},
     }
     raw["pools"]["h200"]["gpu_cap"] = 96
+    raw["sharing"]["quotas"]["ml-research"]["h200"] = 64  # the quotas fit the smaller cap
     raw["routes"]["finetune"] = ["a100", "h200"]
     path = tmp_path / "fleet.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
@@ -54,7 +55,13 @@ def test_page_is_computed_from_the_fleet(page, fleet_raw):
         assert f"| `{name}` | `{pool['infra']}` |" in page
     assert "| `h200` | `slurm/h200-ib` | `H200` | 128 | 64 | 2.30 |" in page
     assert "| `eval` | `inference` → `onprem` → `ondemand` |" in page
-    assert "| `inference` | `research-preemptible` | yes |" in page
+    assert "| `inference` | `research-preemptible` | `research-interactive` | `research-borrowed` | yes |" in page
+    # Quotas and budgets: each team's quotas (a group's pools named), its weekly budget, GPUs per session.
+    assert "| `ml-research` | `h200` | `h200` | 96 |" in page
+    assert "| `product-demos` | `serving` | `inference`, `ondemand` | 2 |" in page
+    assert "| `ml-engineering` | 6000 | 12000.00 |" in page
+    assert "| `inference` | 1 | `research-interactive` | `research-borrowed` |" in page
+    assert "`gpudoor-borrowed`" in page and "`gpudoor-fingerprint`" in page
     assert "no: Opening ports is not supported in Slurm." in page  # SkyPilot's own table, per pool
     assert "tears an interactive cluster down 12 hours after" in page and "at most 72 hours" in page
     assert render_file() == page  # no timestamp: the same fleet gives the same bytes
@@ -69,6 +76,7 @@ def test_a_changed_fleet_shows_up(changed_fleet, page):
     assert "| `A100` | — (cheapest first) | `a100` |" in changed
     assert "`CHECKPOINTS_DIR`, `A100_ONLY_SETTING`, `GPUDOOR_POOL`" in changed
     assert "25 idle minutes" in changed
+    assert "| `ml-research` | `h200` | `h200` | 64 |" in changed
 
 
 def test_no_env_value_reaches_the_page(page, fleet_raw, changed_fleet):

@@ -68,7 +68,7 @@ def usage_table(jobs: Sequence[JobUsage], since: float, until: float, fleet: Fle
     rows: dict[tuple[str, str], dict] = {}
     current = until >= now
     for job in jobs:
-        held_h = job.gpus * job.held_s(since, until) / 3600.0
+        held_h = job.gpu_hours(since, until)
         if held_h <= 0:
             continue
         row = rows.setdefault(
@@ -86,7 +86,7 @@ def usage_table(jobs: Sequence[JobUsage], since: float, until: float, fleet: Fle
             row["timed_gpu_hours"] += held_h
     out = []
     for (pool, owner), row in sorted(rows.items()):
-        rate = fleet.pools[pool].usd_per_gpu_hour if pool in fleet.pools else math.nan
+        rate = fleet.usd_per_gpu_hour(pool)
         timed = row["timed_gpu_hours"]
         out.append(
             {

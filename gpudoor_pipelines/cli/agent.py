@@ -107,7 +107,7 @@ def launch(
     Raises:
         DoorError: refused before launch (nothing submitted), or the API server cannot be reached.
     """
-    from gpudoor_pipelines.launch.resolve.request import LaunchRequest, resolve
+    from gpudoor_pipelines.launch.resolve.request import LaunchRequest
     from gpudoor_pipelines.launch.resolve.specs import load_spec
     from gpudoor_pipelines.transit.uris import open_bucket, settings_from_env
 
@@ -126,8 +126,7 @@ def launch(
             user=launcher.user(),
             step=step,
         )
-        usage = launcher.usage_now()  # nothing is read where the API server counts what is held (live_caps: server)
-        job = resolve(request, launcher.fleet, usage=usage.result() if usage is not None else None)
+        job = launcher.resolve(request)
         job_id, job = launcher.submit(job, request)
     except LaunchConfigError as e:
         raise DoorError.of(e) from None
@@ -146,6 +145,10 @@ def launch(
         "labels": job.labels,
         "secrets": sorted(job.secret_names),
         "decided_by": route.reason,
+        "fingerprint": job.fingerprint,
+        "borrowed": job.labels.get("gpudoor-borrowed") == "true",
+        "budget": None if job.budget is None else job.budget.left(),
+        "warning": None if job.budget is None else job.budget.warning,
     }
 
 

@@ -7,8 +7,8 @@ import json
 import sys
 
 from gpudoor_pipelines.launch.config import launching_user, settings_from_env
-from gpudoor_pipelines.launch.resolve.fleet import load_fleet
-from gpudoor_pipelines.launch.resolve.request import LaunchRequest, resolve
+from gpudoor_pipelines.launch.launcher import Launcher
+from gpudoor_pipelines.launch.resolve.request import LaunchRequest
 from gpudoor_pipelines.launch.resolve.specs import load_spec
 from gpudoor_pipelines.transit import uris
 
@@ -49,7 +49,10 @@ def explain(
             asset="(gpudoor where)",
             step=step,
         )
-        job = resolve(request, load_fleet(settings.fleet_file))
+        # As a launch weighs it (budgets, where it would start soonest), but without what is held: an answer
+        # from the file and the cluster's availability, never a refusal for a full pool.
+        launcher = Launcher.from_settings(settings)
+        job = launcher.resolve(request, launcher.ahead(request, usage=False))
     route = job.route
     assert route is not None
     envs = job.config.get("envs", {})
@@ -73,6 +76,11 @@ def explain(
         "labels": job.labels,
         "policy": list(job.notes),
         "usd_per_hour_estimate": round(route.usd_per_hour, 4),
+        "fingerprint": job.fingerprint,
+        "quota": route.quota or None,
+        "borrowed": route.borrowed,
+        "budget": None if job.budget is None else job.budget.left(),
+        "warning": None if job.budget is None else job.budget.warning,
     }
     if as_json:
         return json.dumps(info, indent=2)
@@ -86,6 +94,11 @@ def explain(
     if info["ports"]:
         lines.append(f"  ports       : {', '.join(info['ports'])}")
     lines.append(f"  cost owner  : {job.labels.get('gpudoor-cost-owner')}")
+    if route.quota:
+        lines.append(f"  quota       : {route.quota}")
+    if job.budget is not None:
+        lines.append(f"  budget      : {job.budget.warning or job.budget.left()}")
+    lines.append(f"  fingerprint : {job.fingerprint}")
     lines += [f"  passed over : {skipped}" for skipped in route.skipped]
     lines.append("  injected env:")
     lines += [f"    {k}={v}" for k, v in sorted(job.pool_env.items())]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from gpudoor_pipelines.cli.markdown import cell, codes, display, table, usd, yes
 from gpudoor_pipelines.cli.rules_refusals import refusals
+from gpudoor_pipelines.cli.rules_sharing import sharing
 from gpudoor_pipelines.launch.resolve.fleet import PROJECT_ROOT, Fleet, load_fleet
 
 #: Where ``gpudoor rules`` writes the page.
@@ -147,7 +148,9 @@ def _routes(fleet: Fleet) -> list[str]:
 def _injected(fleet: Fleet) -> list[str]:
     from gpudoor_pipelines.launch.labels import (
         LABEL_ASSET,
+        LABEL_BORROWED,
         LABEL_COST_OWNER,
+        LABEL_FINGERPRINT,
         LABEL_INTERACTIVE,
         LABEL_PARTITION,
         LABEL_POOL,
@@ -215,6 +218,11 @@ def _injected(fleet: Fleet) -> list[str]:
             (f"`{LABEL_STEP}`", "the step, when the launcher names one"),
             (f"`{LABEL_INTERACTIVE}`", "`true` on interactive clusters"),
             (f"`{LABEL_VIA}`", "who checked the task file (`launcher`, `policy`)"),
+            (
+                f"`{LABEL_BORROWED}`",
+                "on pools with quotas: `true` when the job runs beyond its cost owner's quota, on borrowed GPUs",
+            ),
+            (f"`{LABEL_FINGERPRINT}`", "a hash of the resolved task, the fleet file and the policy's code"),
             (f"`{LABEL_RUN_ID}`, `{LABEL_ASSET}`, `{LABEL_PARTITION}`, `dagster-*`", "the Dagster run's identity"),
         ],
     )
@@ -237,8 +245,17 @@ def _priorities_autostop(fleet: Fleet) -> list[str]:
             "",
         ]
         out += table(
-            ["pool", "priority class", "preemptible"],
-            [(f"`{p.name}`", f"`{p.priority_class}`", yes(p.preemptible)) for p in forced],
+            ["pool", "priority class", "interactive sessions", "on borrowed GPUs", "preemptible"],
+            [
+                (
+                    f"`{p.name}`",
+                    f"`{p.priority_class}`",
+                    f"`{p.interactive_priority_class or p.priority_class}`",
+                    f"`{p.borrowed_priority_class or p.priority_class}`",
+                    yes(p.preemptible),
+                )
+                for p in forced
+            ],
         )
         out += [
             "A task that asks for another priority class on such a pool is refused. Other pools leave it as the task "
@@ -322,7 +339,7 @@ def render(fleet: Fleet) -> str:
         "",
     ]
     out += _pools(fleet) + _routes(fleet) + _injected(fleet) + _priorities_autostop(fleet) + _cost_owners(fleet)
-    out += _housekeeping(fleet)
+    out += sharing(fleet) + _housekeeping(fleet)
     out += refusals(fleet, source)
     return "\n".join(out).rstrip("\n") + "\n"
 

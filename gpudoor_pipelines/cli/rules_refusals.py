@@ -136,6 +136,27 @@ def refusals(fleet: Fleet, source: str) -> list[str]:
             "wait for jobs to finish, ask for fewer GPUs, or route to another pool",
         ),
         (
+            "an interactive session (a `dev-…`/`lab-…` cluster, a demo) with more GPUs than the pool's "
+            "`max_interactive_gpus`",
+            "`resources.accelerators`",
+            "ask for fewer GPUs, or run the work as a job (see [GPUs per interactive "
+            "session](#gpus-per-interactive-session))",
+        ),
+        (
+            "a team beyond its quota on a pool whose GPUs are all in use"
+            + ("" if fleet.sharing.borrowing else ", or on any pool (borrowing is off)"),
+            "`resources.accelerators`",
+            "wait for GPUs to free up, launch on your team's quota elsewhere, or ask for a quota (see "
+            "[Quotas](#quotas))",
+        ),
+        (
+            "a new launch of a cost owner whose weekly budget is spent"
+            + (" (only a warning: `budget_enforce: warn`)" if fleet.sharing.budget_enforce == "warn" else ""),
+            "`sharing.budgets.<owner>`",
+            "wait for next week, launch under a cost owner with budget left, or ask for more (see [Weekly "
+            "budgets](#weekly-budgets))",
+        ),
+        (
             "a CPU-only job over a pool's vCPU cap",
             "`resources.cpus`",
             "ask for fewer vCPUs, or wait for jobs to finish",

@@ -233,8 +233,8 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
 
         with nothing_launched():
             launcher = self.launcher()
-            # What is held is read side by side with the health check and the Pipes session's setup.
-            usage = launcher.usage_now()
+            # What a launch weighs is read side by side with the health check and the Pipes session's setup.
+            ahead = launcher.ahead(request)
             launcher.backend.check()
         bucket = self.transit.get_bucket()
         with dg.open_pipes_session(
@@ -248,7 +248,9 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
                 request, bucket, session.get_bootstrap_env_vars(), session.default_remote_invocation_info
             )
             with nothing_launched():
-                job = resolve(request, launcher.fleet, usage=usage.result() if usage is not None else None)
+                job = launcher.resolve(request, ahead)
+            if job.budget is not None and job.budget.warning:
+                context.log.warning(f"Budget of cost owner '{job.cost_owner}': {job.budget.warning}.")
             self._record_run_process(context)
             job_id, job = self._reattach_or_submit(context, launcher, job, request)
             redact = Redactor(job.secrets)
@@ -389,7 +391,9 @@ class PipesSkyPilotClient(dg.ConfigurableResource, dg.PipesClient):
             with nothing_launched():
                 # A warm pool that is up already holds its GPUs: its jobs are not checked against them again.
                 live = backend.usage() if not backend.pool_workers(pool_name) else None
-                job = resolve(request, launcher.fleet, usage=live)
+                job = launcher.weigh_budget(resolve(request, launcher.fleet, usage=live), request)
+            if job.budget is not None and job.budget.warning:
+                context.log.warning(f"Budget of cost owner '{job.cost_owner}': {job.budget.warning}.")
             assert job.route is not None
             context.log.info(
                 f"Launching {num_jobs} jobs of {job.name} on pool '{pool_name}' of {workers} workers "

@@ -106,6 +106,7 @@ class JobUsage:
         recoveries: how many times it was preempted and recovered.
         ran_s: seconds it actually ran between its start and its end (or now), without the time spent
             recovering after preemptions; None where the backend cannot tell.
+        submitted_at: when it was submitted (None where the backend cannot tell): its wait is to ``started_at``.
     """
 
     job_id: str
@@ -120,6 +121,7 @@ class JobUsage:
     state: JobState
     recoveries: int = 0
     ran_s: float | None = None
+    submitted_at: float | None = None
 
     @classmethod
     def from_labels(cls, labels: Mapping[str, Any], *, pool: str = "unknown", **fields: Any) -> JobUsage:
@@ -139,6 +141,10 @@ class JobUsage:
             return 0.0
         end = until if self.ended_at is None else min(self.ended_at, until)
         return max(0.0, end - max(self.started_at, since))
+
+    def gpu_hours(self, since: float, until: float) -> float:
+        """GPU-hours the job held between ``since`` and ``until``: what the weekly figures and budgets count."""
+        return self.gpus * self.held_s(since, until) / 3600.0
 
     def running_share(self, now: float) -> float | None:
         """The share of its life (start to end, or ``now``) the job spent running; None where unknown."""

@@ -22,6 +22,10 @@ LABEL_DEPLOYMENT = "dagster-deployment"
 LABEL_VIA = "gpudoor-via"
 #: An interactive cluster's own time to live, in hours (the fleet's ``reconciler`` section caps it).
 LABEL_TTL = "gpudoor-ttl-hours"
+#: ``"true"`` on a job beyond its cost owner's quota, on a pool's idle GPUs: the first to go when the owner needs them.
+LABEL_BORROWED = "gpudoor-borrowed"
+#: A hash of the resolved task, the fleet file and the policy's code: same inputs, same fingerprint.
+LABEL_FINGERPRINT = "gpudoor-fingerprint"
 #: A keyed digest of the job's ``dagster-*`` labels: whoever holds the deployment's key wrote them.
 LABEL_SIGNATURE = "gpudoor-signature"
 #: The launcher's (and the reconciler's) copy of the deployment's key for ``gpudoor-signature``.

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -26,13 +27,16 @@ from gpudoor_pipelines.launch.backends.base import Backend, LogFollower, Service
 from gpudoor_pipelines.launch.config import LaunchSettings, launching_user, make_backend
 from gpudoor_pipelines.launch.errors import JobFailed, LaunchConfigError, PoolFull
 from gpudoor_pipelines.launch.job import FAILURE_MEANING, Holding, JobInfo, JobState
+from gpudoor_pipelines.launch.ledger import Figures, Ledger
 from gpudoor_pipelines.launch.record.goodput import Timeline, report_preemptions
 from gpudoor_pipelines.launch.record.records import BatchPlan
 from gpudoor_pipelines.launch.record.release import ReleaseOutcome, release_and_verify
 from gpudoor_pipelines.launch.resolve.fleet import Fleet, load_fleet
 from gpudoor_pipelines.launch.resolve.request import LaunchRequest, ResolvedJob, resolve
-from gpudoor_pipelines.launch.resolve.routing import Usage
+from gpudoor_pipelines.launch.resolve.sharing import budget_verdict
+from gpudoor_pipelines.launch.resolve.usage import Usage
 from gpudoor_pipelines.launch.watch import Backoff, Hooks, Streams, Watched, ignore, status_hub
+from gpudoor_pipelines.transit.bucket import gpudoor_home
 
 #: Reads of what is held, started beside a step's health check and Pipes session.
 _USAGE_READS = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="gpudoor-usage-read")
@@ -74,9 +78,61 @@ class Launcher:
             raise KeyError(f"the {self.backend.name} backend has no job {job_id}")
         return info
 
-    def usage_now(self) -> concurrent.futures.Future[Usage] | None:
-        """What is held, read in the background (None when the API server counts it: ``live_caps: server``)."""
-        return None if self.fleet.live_caps == "server" else _USAGE_READS.submit(self.backend.usage)
+    @functools.cached_property
+    def ledger(self) -> Ledger:
+        """The week's figures (budgets, queue waits) and the GPUs free now, kept on this machine."""
+        return Ledger(self.backend, self.fleet, gpudoor_home() / "cache")
+
+    def ahead(self, request: LaunchRequest | None = None, *, usage: bool = True) -> Ahead:
+        """Starts, in the background, the reads a launch weighs: what is held (unless the API server counts it:
+        ``live_caps: server``), the week's figures (budgets, queue waits), and the GPUs free on the clusters of
+        the request's route where it has pools to choose among. A step starts them beside its health check;
+        ``usage=False`` leaves out what is held (``gpudoor where``)."""
+        held = _USAGE_READS.submit(self.backend.usage) if usage and self.fleet.live_caps != "server" else None
+        figures = _USAGE_READS.submit(self.ledger.figures) if self.ledger.wanted else None
+        pools = self.fleet.routes.get(request.step or "", ()) if request is not None else ()
+        if len(pools) > 1:
+            for infra in dict.fromkeys(self.fleet.pools[p].infra for p in pools):
+                _USAGE_READS.submit(self.backend.free_gpus_at, infra)
+        return Ahead(held, figures)
+
+    def resolve(
+        self, request: LaunchRequest, ahead: Ahead | None = None, *, full: set[str] = frozenset()
+    ) -> ResolvedJob:
+        """Resolves ``request`` as the launch will run it: its caps and quotas counted (where the launcher counts
+        them), the pool that starts it soonest among those its route allows, its cost owner's budget weighed.
+
+        Raises:
+            LaunchConfigError: the request is refused (its budget spent included); nothing was launched.
+        """
+        ahead = ahead or self.ahead(request)
+        usage = ahead.usage.result() if ahead.usage is not None else None
+        if full:  # the API server said these are full: read what is held, whatever the settings say
+            usage = _full(usage or self.backend.usage(), self.fleet, full)
+        figures = ahead.figures.result() if ahead.figures is not None else None
+        job = resolve(request, self.fleet, usage=usage, outlook=self.ledger.outlook(figures))
+        return self.weigh_budget(job, request, figures)
+
+    def weigh_budget(self, job: ResolvedJob, request: LaunchRequest, figures: Figures | None = None) -> ResolvedJob:
+        """The job with its cost owner's week against its budget (read now when ``figures`` is None).
+
+        Raises:
+            LaunchConfigError: the budget is spent and the fleet refuses (``budget_enforce: refuse``); an
+                interactive session is never refused.
+        """
+        if not self.fleet.sharing.budgets:
+            return job
+        figures = figures if figures is not None else self.ledger.figures()
+        verdict = budget_verdict(self.fleet, job.cost_owner, figures.spent) if figures is not None else None
+        if verdict is not None and verdict.refusal and not request.interactive:
+            raise LaunchConfigError(
+                self.fleet.source,
+                f"sharing.budgets.{job.cost_owner}",
+                verdict.refusal,
+                "wait for next week (it starts Monday 00:00 UTC), launch under a cost owner with budget left "
+                "(--cost-owner, the gpudoor/cost-owner run tag), or ask the fleet's admins to raise the budget",
+            )
+        return dataclasses.replace(job, budget=verdict)
 
     # ----------------------------------------------------------------- submit
     def submit(
@@ -97,12 +153,17 @@ class Launcher:
                 f"Launching {job.name}{step} on pool '{job.pool}' ({job.route.infra}, {job.route.describe()}) "
                 f"through the {self.backend.name} backend: {job.route.reason}."
             )
+            if job.budget is not None and job.budget.warning:
+                log(f"Budget: {job.budget.warning}.")
             try:
-                return self.backend.submit(job), job
+                job_id = self.backend.submit(job)
             except PoolFull as e:
                 full.add(e.pool)
                 log(f"The API server says pool '{e.pool}' is full ({e.problem}): routing again.")
-                job = resolve(request, self.fleet, usage=_full(self.backend.usage(), self.fleet, full))
+                job = self.resolve(request, full=full)
+                continue
+            self.ledger.took(job.route)
+            return job_id, job
 
     def _move(
         self, job: ResolvedJob, job_id: str, request: LaunchRequest, hooks: Hooks
@@ -168,7 +229,8 @@ class Launcher:
             pool.user_gpu_cap - usage.user_gpus.get((request.user, job.pool), 0) + mine,
         )
         reason = f"pool '{job.pool}' cap {pool.gpu_cap}, {usage.gpus.get(job.pool, 0)} GPUs held"
-        reported = self.backend.free_gpus(job.route) if job.route.accelerator else None
+        counts = self.backend.free_gpus_at(job.route.infra) if job.route.accelerator else None
+        reported = None if counts is None or not job.route.accelerator else counts.get(job.route.accelerator.lower(), 0)
         if reported is not None:
             free = min(free, reported + own * per_job)  # the cluster counts the pool's own workers as busy
             reason += f", {reported} {job.route.accelerator} free on {job.route.infra}"
@@ -404,8 +466,18 @@ class Launcher:
         return outcome
 
 
+@dataclasses.dataclass(frozen=True)
+class Ahead:
+    """The reads a launch weighs, under way: what is held (None: the API server counts it), the week's figures
+    (None: nothing to weigh them for)."""
+
+    usage: concurrent.futures.Future[Usage] | None = None
+    figures: concurrent.futures.Future[Figures | None] | None = None
+
+
 def _full(usage: Usage, fleet: Fleet, pools: set[str]) -> Usage:
     """``usage`` with ``pools`` held to their caps: the API server said they are full, whatever was read."""
     gpus = {**usage.gpus, **{p: fleet.pools[p].gpu_cap for p in pools if p in fleet.pools}}
     vcpus = {**usage.vcpus, **{p: fleet.pools[p].vcpu_cap or 0 for p in pools if p in fleet.pools}}
-    return dataclasses.replace(usage, gpus=gpus, vcpus=vcpus)
+    held_on_quota = {**usage.borrowed, **{p: 0 for p in pools}}  # nothing there is anyone's to reclaim either
+    return dataclasses.replace(usage, gpus=gpus, vcpus=vcpus, borrowed=held_on_quota)

@@ -169,10 +169,12 @@ def test_when_the_server_counts_live_caps_nothing_is_read_before_the_launch(tmp_
             resources={"skypilot": _client(tmp_path, fake_sky, fleet_file=_server_counted_fleet(tmp_path))},
         )
     assert result.success
-    # The first request is the launch itself; the queue is read only to watch the job.
-    assert fake_sky.requests.get("pool_status", 0) == 0 and [q["job_ids"] for q in fake_sky.queue_requests] == [
-        [1]
-    ] * len(fake_sky.queue_requests)
+    # Nothing of what is held is read: no warm pools, no queue of unfinished jobs. The queue is read whole once,
+    # for the week's figures (budgets, queue waits), and otherwise only to watch the job.
+    assert fake_sky.requests.get("pool_status", 0) == 0
+    history = [q for q in fake_sky.queue_requests if q["job_ids"] is None]
+    assert len(history) == 1 and history[0]["skip_finished"] is False
+    assert all(q["job_ids"] == [1] for q in fake_sky.queue_requests if q["job_ids"] is not None)
 
 
 def test_a_pool_the_server_says_is_full_is_routed_around(tmp_path, fake_sky):

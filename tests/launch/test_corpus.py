@@ -33,6 +33,19 @@ from gpudoor_pipelines.launch.resolve.specs import load_spec
 CORPUS = Path(__file__).parent / "corpus"
 FILES = sorted(CORPUS.glob("*.yaml"))
 POLICY = "gpudoor_pipelines.launch.server.policy.GpuDoorPolicy"
+
+
+@pytest.fixture(autouse=True)
+def _server_counts(monkeypatch):
+    """The shipped fleet has the API server count what is held (``live_caps: server``), as deploy/ runs it: its
+    jobs tables are faked, holding nothing (no jobs controller runs here)."""
+    from gpudoor_pipelines.launch.resolve.usage import Usage
+    from gpudoor_pipelines.launch.server import policy
+
+    monkeypatch.setattr(policy, "server_usage", Usage)
+    monkeypatch.setattr(policy, "_onto_warm_pool", lambda: False)
+
+
 #: Files whose refusal rests on what only the file shows; the server judges what it receives.
 SERVER_CANNOT_SEE = {
     "47-secret-literal.yaml": "a secret's value in the file reaches the server like a value passed with --secret",

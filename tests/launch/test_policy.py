@@ -51,6 +51,13 @@ def _spec(name: str, **resources) -> dict:
 OWNER = {"gpudoor-cost-owner": "ml-research"}
 
 
+@pytest.fixture(autouse=True)
+def _server_counts(monkeypatch):
+    """The shipped fleet has the API server count what is held (``live_caps: server``), as deploy/ runs it: its
+    jobs tables are faked, holding nothing (no jobs controller runs here)."""
+    _held(monkeypatch)
+
+
 def _resources(task):
     (r,) = task.resources
     return r
@@ -355,7 +362,7 @@ def test_a_raw_task_with_skypilots_own_settings_is_not_refused_for_them(sky):
 
 def _held(monkeypatch, *, pools: dict[str, int] | None = None, onto_warm_pool: bool = False, consolidated: bool = True):
     """What the server reads as held now (its own jobs tables, faked: no jobs controller runs here)."""
-    from gpudoor_pipelines.launch.resolve.routing import Usage
+    from gpudoor_pipelines.launch.resolve.usage import Usage
     from gpudoor_pipelines.launch.server import policy
 
     usage = Usage(gpus=dict(pools or {})) if consolidated else None
@@ -439,12 +446,13 @@ def test_a_fleet_counting_live_caps_on_the_server_refuses_launches_the_server_ca
     config = _spec("eval", infra="k8s/inference-prod", labels=OWNER)
     with pytest.raises(sky.exceptions.UserRequestRejectedByPolicy, match="live_caps.*consolidation mode"):
         _apply(sky, config, at_client_side=False)
-    path.write_text(yaml.safe_dump(fleet))  # live_caps: launcher (the default): the launcher counted them
+    path.write_text(yaml.safe_dump({**fleet, "live_caps": "launcher"}))  # the launcher counted them
     assert _apply(sky, config, at_client_side=False).num_nodes == 1
 
 
 def test_the_server_reads_what_running_and_pending_jobs_and_warm_pools_hold(monkeypatch):
     """From the jobs controller's tables in the server's process: a pending job by the task it was launched with."""
+    monkeypatch.undo()  # the real reading, not the tables _server_counts fakes
     from sky.jobs import utils as managed_job_utils
 
     from gpudoor_pipelines.launch.server import policy

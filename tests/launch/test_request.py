@@ -10,8 +10,8 @@ from gpudoor_pipelines.cli.main import main
 from gpudoor_pipelines.launch.errors import LaunchConfigError
 from gpudoor_pipelines.launch.resolve.fleet import load_fleet
 from gpudoor_pipelines.launch.resolve.request import LaunchRequest, resolve
-from gpudoor_pipelines.launch.resolve.routing import Usage
 from gpudoor_pipelines.launch.resolve.specs import load_spec
+from gpudoor_pipelines.launch.resolve.usage import Usage
 from tests.conftest import given_inputs
 
 

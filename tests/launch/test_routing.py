@@ -8,8 +8,9 @@ import yaml
 
 from gpudoor_pipelines.launch.errors import LaunchConfigError
 from gpudoor_pipelines.launch.resolve.fleet import load_fleet, parse_fleet
-from gpudoor_pipelines.launch.resolve.routing import Usage, route
+from gpudoor_pipelines.launch.resolve.routing import route
 from gpudoor_pipelines.launch.resolve.specs import load_spec
+from gpudoor_pipelines.launch.resolve.usage import Usage
 from tests.conftest import SPECS_DIR
 
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from gpudoor_pipelines.launch.backends.base import Backend, LogFollower
 from gpudoor_pipelines.launch.job import JobInfo, JobState
-from gpudoor_pipelines.launch.resolve.routing import Usage
+from gpudoor_pipelines.launch.resolve.usage import Usage
 
 
 class _TimedFollower(LogFollower):

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from gpudoor_pipelines.launch.job import Holding, JobInfo, JobUsage, ReleaseCheck
 from gpudoor_pipelines.launch.resolve.request import ResolvedJob
-from gpudoor_pipelines.launch.resolve.routing import Route, Usage
+from gpudoor_pipelines.launch.resolve.usage import Usage
 
 
 class LogFollower(abc.ABC):
@@ -155,8 +155,9 @@ class Inventory(abc.ABC):
     def usage(self) -> Usage:
         """GPUs (and CPU-only jobs' vCPUs) held by jobs that have not ended, per pool and per user."""
 
-    def free_gpus(self, route: Route) -> int | None:
-        """GPUs of the route's type the route's cluster reports free right now; None where it cannot tell."""
+    def free_gpus_at(self, infra: str) -> dict[str, int] | None:
+        """GPUs free right now by type (lowercase) on the infra's cluster (its partition, where it names one);
+        None where the cluster cannot tell."""
         return None
 
     def job_history(self, since: float, until: float, *, submitted_after: float | None = None) -> list[JobUsage]:

@@ -43,10 +43,10 @@ from gpudoor_pipelines.launch.backends.local_state import (
     write_state,
 )
 from gpudoor_pipelines.launch.job import Holding, JobInfo, JobState, JobUsage, ReleaseCheck
-from gpudoor_pipelines.launch.labels import LABEL_USER
+from gpudoor_pipelines.launch.labels import LABEL_POOL, LABEL_USER
 from gpudoor_pipelines.launch.resolve.request import ResolvedJob
-from gpudoor_pipelines.launch.resolve.routing import Usage
 from gpudoor_pipelines.launch.resolve.specs import gpus_per_node, parse_accelerators, parse_cpus
+from gpudoor_pipelines.launch.resolve.usage import Held, Usage
 
 
 class _FileFollower(LogFollower):
@@ -266,7 +266,7 @@ class LocalBackend(LocalWarmPools, Backend):
         """GPUs (and CPU-only jobs' vCPUs) requested by local jobs that have not ended."""
         return Usage.tally(self._held())
 
-    def _held(self) -> Iterator[tuple[str, str, int, int]]:
+    def _held(self) -> Iterator[Held]:
         for job_dir in job_dirs(self.jobs_root):
             state = read_state(job_dir)
             if not state or JobState(state.get("state", "PENDING")).is_terminal:
@@ -279,19 +279,21 @@ class LocalBackend(LocalWarmPools, Backend):
             resources = task["config"].get("resources") or {}
             nodes = int(task["config"].get("num_nodes") or 1)
             gpus = sum(parse_accelerators(resources.get("accelerators")).values()) * nodes
-            user = (resources.get("labels") or {}).get(LABEL_USER, "unknown")
-            yield task["pool"], user, gpus, parse_cpus(resources.get("cpus")) * nodes
+            labels = {**(resources.get("labels") or {}), LABEL_POOL: task["pool"]}
+            held = Held.of(labels, gpus, parse_cpus(resources.get("cpus")) * nodes)
+            assert held is not None
+            yield held
         for pool_dir in pool_dirs(self.home):
             if self._supervisor(pool_dir) is None:
                 continue
             spec = read_json(pool_dir / POOL_FILE)
             workers = int(spec.get("workers", 0))
-            yield (
-                spec["pool"],
-                spec.get("user", "unknown"),
-                workers * int(spec.get("gpus_per_worker", 0)),
-                workers * int(spec.get("cpus_per_worker", 0)),
+            labels = {**(spec.get("labels") or {}), LABEL_POOL: spec["pool"], LABEL_USER: spec.get("user", "unknown")}
+            held = Held.of(
+                labels, workers * int(spec.get("gpus_per_worker", 0)), workers * int(spec.get("cpus_per_worker", 0))
             )
+            assert held is not None
+            yield held
 
     def job_history(self, since: float, until: float, *, submitted_after: float | None = None) -> list[JobUsage]:
         """Every local job that held GPUs between ``since`` and ``until``, read from the job folders: Dagster
@@ -323,6 +325,7 @@ class LocalBackend(LocalWarmPools, Backend):
                     state=info.state,
                     recoveries=info.recoveries,
                     ran_s=((info.ended_at or now) - info.started_at) if info.started_at is not None else None,
+                    submitted_at=state.get("submitted_at"),
                 )
             )
         return out

@@ -63,6 +63,7 @@ def job_history(since: float, until: float, *, submitted_after: float | None = N
                 state=sky_sdk.state(r.status),
                 recoveries=int(r.recovery_count or 0),
                 ran_s=float(r.job_duration) if r.job_duration is not None else None,
+                submitted_at=float(r.submitted_at) if r.submitted_at else None,
             )
         )
     return out + _clusters_up(since, until)

@@ -13,8 +13,9 @@ from typing import Any
 
 from gpudoor_pipelines.launch.backends.sky_sdk import state
 from gpudoor_pipelines.launch.job import JobInfo
-from gpudoor_pipelines.launch.labels import LABEL_POOL, LABEL_USER, STEP_CLUSTER_PREFIX
+from gpudoor_pipelines.launch.labels import STEP_CLUSTER_PREFIX
 from gpudoor_pipelines.launch.resolve.specs import gpus_per_node, parse_accelerators
+from gpudoor_pipelines.launch.resolve.usage import Held
 
 QUEUE_FIELDS = [
     "job_id",
@@ -115,9 +116,9 @@ def launched_labels(r: Any) -> dict[str, str]:
     return {str(k): str(v) for k, v in labels.items()}
 
 
-def job_held(r: Any, *, launched_task_too: bool = False) -> tuple[str, str, int, int] | None:
-    """(pool label, user label, GPUs, vCPUs) a managed job of the queue holds, over all its nodes; None for a
-    job without a ``gpudoor-pool`` label, or on a warm pool (its pool's workers hold the GPUs).
+def job_held(r: Any, *, launched_task_too: bool = False) -> Held | None:
+    """What a managed job of the queue holds (pool, user, GPUs, vCPUs, cost owner, borrowed), over all its
+    nodes; None for a job without a ``gpudoor-pool`` label, or on a warm pool (its pool's workers hold the GPUs).
 
     The labels and GPUs are the job's cluster's. A job without a cluster yet (pending) has none in the
     queue: with ``launched_task_too`` they come from the task it was launched with (``user_yaml``), else
@@ -135,11 +136,8 @@ def job_held(r: Any, *, launched_task_too: bool = False) -> tuple[str, str, int,
         nodes = int(task.get("num_nodes") or 1)
     else:
         nodes = int(m.group(1)) if (m := _NODES.match(field(r, "resources") or "")) else 1
-    if not labels.get(LABEL_POOL):
-        return None
     cpus = int(m.group(1)) if (m := _CPUS.search(field(r, "resources") or "")) else 0
-    gpus = gpus_per_node(accelerators)
-    return labels[LABEL_POOL], labels.get(LABEL_USER, "unknown"), gpus * nodes, cpus * nodes
+    return Held.of(labels, gpus_per_node(accelerators) * nodes, cpus * nodes)
 
 
 def pool_labels(record: Mapping[str, Any]) -> dict[str, Any]:
@@ -152,20 +150,18 @@ def pool_labels(record: Mapping[str, Any]) -> dict[str, Any]:
         return {}
 
 
-def pool_workers_held(records: Iterable[Mapping[str, Any]]) -> list[tuple[str, str, int, int]]:
-    """(pool label, user label, GPUs, vCPUs) of every warm pool's workers, from its task's labels
+def pool_workers_held(records: Iterable[Mapping[str, Any]]) -> list[Held]:
+    """What the workers of every warm pool's workers, from its task's labels
     (records as ``sky.jobs.pool_status`` gives them)."""
     out = []
     for record in records:
         if status_name(record) in ("SHUTTING_DOWN", "FAILED_CLEANUP"):
             continue
         resources = pool_labels(record)
-        labels = resources.get("labels") or {}
-        if not labels.get(LABEL_POOL):
-            continue
         workers = int(record.get("target_num_replicas") or 0)
         gpus = sum(parse_accelerators(resources.get("accelerators")).values())
-        out.append((labels[LABEL_POOL], labels.get(LABEL_USER, "unknown"), workers * gpus, 0))
+        if (held := Held.of(resources.get("labels") or {}, int(workers * gpus))) is not None:
+            out.append(held)
     return out
 
 
@@ -175,8 +171,8 @@ def cluster_labels(record: Mapping[str, Any]) -> dict[str, str]:
     return {str(k): str(v) for k, v in (getattr(resources, "labels", None) or {}).items()}
 
 
-def clusters_held(records: Iterable[Mapping[str, Any]]) -> list[tuple[str, str, int, int]]:
-    """(pool label, user label, GPUs, vCPUs) of every door step cluster that is up or starting (records as
+def clusters_held(records: Iterable[Mapping[str, Any]]) -> list[Held]:
+    """What every door step cluster that is up or starting (records as
     ``sky.status`` or the server's cluster table give them)."""
     out = []
     for record in records:
@@ -185,12 +181,10 @@ def clusters_held(records: Iterable[Mapping[str, Any]]) -> list[tuple[str, str, 
             continue
         handle = record.get("handle")
         resources = getattr(handle, "launched_resources", None)
-        labels = getattr(resources, "labels", None) or {}
-        if not labels.get(LABEL_POOL):
-            continue
         nodes = int(getattr(handle, "launched_nodes", None) or 1)
         gpus = gpus_per_node(getattr(resources, "accelerators", None))
-        out.append((str(labels[LABEL_POOL]), str(labels.get(LABEL_USER, "unknown")), gpus * nodes, 0))
+        if (held := Held.of(getattr(resources, "labels", None) or {}, gpus * nodes)) is not None:
+            out.append(held)
     return out
 
 

@@ -35,6 +35,7 @@ def sky() -> Any:
     """The ``sky`` module, imported once usage collection is off."""
     sky_env.prepare()
     import sky as sky_module
+    import sky.client.sdk  # noqa: F401 - makes `sky.client.sdk` reachable as an attribute
     import sky.server.common  # noqa: F401 - makes `sky.server.common` reachable as an attribute
 
     return sky_module

@@ -19,14 +19,18 @@ from gpudoor_pipelines.launch.backends.base import Backend, LogFollower, Service
 from gpudoor_pipelines.launch.errors import LaunchConfigError
 from gpudoor_pipelines.launch.job import Holding, JobInfo, JobState, JobUsage, ReleaseCheck
 from gpudoor_pipelines.launch.labels import STEP_CLUSTER_PREFIX
+from gpudoor_pipelines.launch.resolve.fleet import normalize_infra
 from gpudoor_pipelines.launch.resolve.request import ResolvedJob
-from gpudoor_pipelines.launch.resolve.routing import Route, Usage
+from gpudoor_pipelines.launch.resolve.usage import Usage
 
 _USAGE_LOCK = threading.Lock()
 #: Reads sent side by side with another one (the warm pools while the queue is read).
 _SIDE_READS = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="gpudoor-sky-read")
 _USAGE_CACHE: dict[str, tuple[float, Usage]] = {}  # endpoint -> (when the read started, usage)
 _USAGE_STALE: dict[str, float] = {}  # endpoint -> when this process last changed what is held
+#: A cluster's nodes (GPU type, partitions, free GPUs) are read at most this often per process.
+NODES_TTL_S = 5.0
+_NODES: dict[tuple[str, str, str], tuple[float, list[tuple[str, tuple[str, ...], int]] | None]] = {}
 
 
 class SkyPilotBackend(Backend):
@@ -159,26 +163,55 @@ class SkyPilotBackend(Backend):
         self._forget_usage()
 
     # ----------------------------------------------------------------- what is held
-    def free_gpus(self, route: Route) -> int | None:
-        """What the route's Slurm cluster reports free of the route's GPU (``realtime_slurm_gpu_availability``)."""
-        parts = route.infra.split("/")
-        if parts[0] != "slurm" or len(parts) < 2 or not route.accelerator:
+    def free_gpus_at(self, infra: str) -> dict[str, int] | None:
+        """GPUs free now by type (lowercase) on the infra's cluster: a Slurm cluster's nodes of the infra's
+        partition (``slurm_node_info``), a Kubernetes context's nodes (``kubernetes_node_info``). One request
+        per cluster, kept ``NODES_TTL_S`` in the process; None where the cluster cannot say."""
+        parts = normalize_infra(infra).split("/")
+        if parts[0] not in ("slurm", "kubernetes") or len(parts) < 2:
             return None
-        sky = sky_sdk.sky()
-        from sky.client import sdk
-
-        try:
-            groups = sky.get(
-                sdk.realtime_slurm_gpu_availability(slurm_cluster_name=parts[1], name_filter=route.accelerator)
-            )
-        except Exception:  # noqa: BLE001 - availability is advice: fall back to the caps
+        nodes = self._nodes(parts[0], parts[1])
+        if nodes is None:
             return None
-        free = None
-        for _cluster, gpus, _error in groups or ():
-            for gpu, _counts, _capacity, available in gpus or ():
-                if str(gpu).lower() == route.accelerator.lower():
-                    free = (free or 0) + int(available)
+        partition = parts[2] if len(parts) > 2 else None
+        free: dict[str, int] = {}
+        for gpu, partitions, count in nodes:
+            if partition is None or partition in partitions:
+                free[gpu] = free.get(gpu, 0) + count
         return free
+
+    def _nodes(self, kind: str, cluster: str) -> list[tuple[str, tuple[str, ...], int]] | None:
+        """(GPU type, partitions, free GPUs) per node of one cluster, read at most every ``NODES_TTL_S``."""
+        key = (self.endpoint, kind, cluster)
+        with _USAGE_LOCK:
+            kept = _NODES.get(key)
+        if kept is not None and time.monotonic() - kept[0] < NODES_TTL_S:
+            return kept[1]
+        sky = sky_sdk.sky()
+        try:
+            sdk = sky.client.sdk  # the SDK of the process's `sky` (a test's stand-in has none: nothing to read)
+            if kind == "slurm":
+                rows = sky.get(sdk.slurm_node_info(slurm_cluster_name=cluster)) or []
+                nodes = [
+                    (
+                        str(r.get("gpu_type") or "").lower(),
+                        tuple(p.strip().rstrip("*") for p in str(r.get("partition") or "").split(",")),
+                        int(r.get("free_gpus") or 0),
+                    )
+                    for r in rows
+                ]
+            else:
+                info = sky.get(sdk.kubernetes_node_info(context=cluster))
+                nodes = [
+                    (str(n.accelerator_type or "").lower(), (), max(0, int(sum(n.free.values()))))
+                    for n in info.node_info_dict.values()
+                    if n.accelerator_type and n.is_ready
+                ]
+        except Exception:  # noqa: BLE001 - availability is advice: routing falls back to the caps and waits
+            nodes = None
+        with _USAGE_LOCK:
+            _NODES[key] = (time.monotonic(), nodes)
+        return nodes
 
     def usage(self) -> Usage:
         """GPUs (and CPU-only jobs' vCPUs) held per pool and user label: by unfinished managed jobs, by the

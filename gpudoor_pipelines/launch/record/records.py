@@ -38,6 +38,7 @@ class LaunchRecord:
     task_spec: str
     preemptions: PreemptionCost | None = None
     launched_as: str = "job"
+    sharing: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
     def of(
@@ -72,6 +73,7 @@ class LaunchRecord:
             task_spec=job.spec_path,
             preemptions=preemptions,
             launched_as=launched_as,
+            sharing=tuple(job.sharing_metadata().items()),
         )
 
     def to_metadata(self) -> dict[str, Any]:
@@ -101,6 +103,7 @@ class LaunchRecord:
             md["policy"] = "; ".join(self.policy)
         if self.preemptions is not None:
             md.update(self.preemptions.to_metadata())
+        md.update(dict(self.sharing))
         return md
 
 
@@ -154,6 +157,7 @@ class BatchResult:
             "gpu_hours": round(sum(r.gpu_hours for r in records), 6),
             "cost_usd_estimate": round(sum(r.cost_usd for r in records), 6),
             "running_s": round(sum(r.running_s for r in records), 2),
+            **self.job.sharing_metadata(),
         }
 
 
@@ -183,6 +187,7 @@ class ServiceRecord:
             "accelerators": route.accelerators or "none (CPU-only)",
             "usd_per_hour_estimate": round(route.usd_per_hour, 4),
         }
+        md.update(self.job.sharing_metadata())
         if self.job.notes:
             md["policy"] = "; ".join(self.job.notes)
         return md

@@ -23,6 +23,7 @@ from gpudoor_pipelines.launch.resolve.fleet_sections import (
     NightWindow,
     ReconcilerPolicy,
 )
+from gpudoor_pipelines.launch.resolve.sharing import Sharing, check_sharing
 
 PROJECT_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_SPECS_DIR = PROJECT_ROOT / "task_specs"
@@ -86,6 +87,10 @@ class Pool(BaseModel):
         usd_per_vcpu_hour: price of a vCPU-hour for CPU-only jobs.
         preemptible: jobs may be evicted (managed jobs recover on their own).
         priority_class: Kubernetes priority class research jobs must use (production pools).
+        interactive_priority_class: the priority class of interactive sessions on the pool (else ``priority_class``).
+        borrowed_priority_class: the priority class of a job beyond its cost owner's quota, on borrowed GPUs
+            (else ``priority_class``): the first the scheduler evicts.
+        max_interactive_gpus: most GPUs one interactive session (a ``dev-…``/``lab-…`` cluster, a demo) may hold.
         multi_node: the pool has a fast interconnect for multi-node jobs.
         env: injected into every job on the pool (paths on that cluster).
         autostop_idle_minutes: autostop for interactive clusters (demos, dev sessions) on the pool.
@@ -111,6 +116,9 @@ class Pool(BaseModel):
     usd_per_vcpu_hour: float = Field(default=0.0, ge=0)
     preemptible: bool = False
     priority_class: str | None = None
+    interactive_priority_class: str | None = None
+    borrowed_priority_class: str | None = None
+    max_interactive_gpus: int = Field(default=1, ge=0)
     multi_node: bool = False
     env: dict[str, str] = Field(default_factory=dict)
     autostop_idle_minutes: int = Field(default=60, ge=1)
@@ -162,6 +170,7 @@ class Fleet(BaseModel):
         evaluation: what the checkpoint sensor evaluates, and how much at once.
         reconciler: what the orphan reconciler releases, and when; interactive clusters' time to live.
         housekeeping: what stays in the transit bucket, what moves to cheaper storage, what is deleted.
+        sharing: quotas per cost owner, borrowing and weekly budgets (``sharing.py``).
         secrets: the secrets a job may ask for by name (``secrets: {HF_TOKEN: null}`` in its task file).
         live_caps: who counts what running jobs hold before a launch, for the caps. ``launcher``: the
             launcher reads it (one full-queue request per launch, seconds on a busy server) and routes
@@ -189,6 +198,7 @@ class Fleet(BaseModel):
     evaluation: EvalPolicy = Field(default_factory=EvalPolicy)
     reconciler: ReconcilerPolicy = Field(default_factory=ReconcilerPolicy)
     housekeeping: HousekeepingPolicy = Field(default_factory=HousekeepingPolicy)
+    sharing: Sharing = Field(default_factory=Sharing)
     secrets: tuple[str, ...] = ()
     live_caps: Literal["launcher", "server"] = "launcher"
     launch_as: dict[str, Literal["managed", "cluster"]] = Field(default_factory=dict)
@@ -228,6 +238,8 @@ class Fleet(BaseModel):
                     f"unknown step '{step}'",
                     f"use a step named under routes: {sorted(self.routes)}{did_you_mean(step, self.routes)}",
                 )
+        for field, problem, fix in check_sharing(self)[:1]:
+            raise FieldError(field, problem, fix)
         if not self.default_cost_owner and self.cost_owners:
             object.__setattr__(self, "default_cost_owner", self.cost_owners[0])
         if self.cost_owners and self.default_cost_owner not in self.cost_owners:
@@ -258,6 +270,10 @@ class Fleet(BaseModel):
         offering = [p for p in self.pools.values() if any(g.lower() in wanted for g in p.gpus)]
         order = list(self.pools)
         return sorted(offering, key=lambda p: (p.name not in preferred, p.usd_per_gpu_hour, order.index(p.name)))
+
+    def usd_per_gpu_hour(self, pool: str) -> float:
+        """A pool's price of a GPU-hour (NaN for a pool the fleet no longer has)."""
+        return self.pools[pool].usd_per_gpu_hour if pool in self.pools else float("nan")
 
     @property
     def all_gpus(self) -> set[str]:
@@ -305,6 +321,7 @@ def parse_fleet(raw: Any, source: str) -> Fleet:
                 "reconciler": ReconcilerPolicy,
                 "housekeeping": HousekeepingPolicy,
                 "night_window": NightWindow,
+                "sharing": Sharing,
             }.get(loc[0], Fleet)
             known = _known_fields(model)
             fix = f"remove it; known fields: {known}{did_you_mean(loc[-1], known)}"

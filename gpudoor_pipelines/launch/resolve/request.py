@@ -15,11 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from gpudoor_pipelines.launch.errors import LaunchConfigError
-from gpudoor_pipelines.launch.labels import LABEL_KEY_ENV
+from gpudoor_pipelines.launch.labels import LABEL_BORROWED, LABEL_COST_OWNER, LABEL_FINGERPRINT, LABEL_KEY_ENV
+from gpudoor_pipelines.launch.resolve.fingerprint import fingerprint
 from gpudoor_pipelines.launch.resolve.fleet import PROJECT_ROOT, Fleet
-from gpudoor_pipelines.launch.resolve.routing import Route, Usage, route
+from gpudoor_pipelines.launch.resolve.routing import Route, route
 from gpudoor_pipelines.launch.resolve.rules import Injected, LaunchContext, apply_rules, deployment_name
+from gpudoor_pipelines.launch.resolve.sharing import BudgetVerdict
 from gpudoor_pipelines.launch.resolve.specs import TaskSpec, task_infra
+from gpudoor_pipelines.launch.resolve.usage import Outlook, Usage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +43,7 @@ class ResolvedJob:
         spec_path: the task spec it came from.
         launch_as: ``managed`` (a managed job) or ``cluster`` (a cluster of its own, torn down when the job
             ends), from the fleet's ``launch_as``; backends without the distinction ignore it.
+        budget: the cost owner's week against its budget, where the launcher weighed it.
     """
 
     name: str
@@ -54,6 +58,28 @@ class ResolvedJob:
     secret_names: tuple[str, ...] = ()
     spec_path: str = ""
     launch_as: str = "managed"
+    budget: BudgetVerdict | None = None
+
+    @property
+    def cost_owner(self) -> str:
+        """Who pays (its label)."""
+        return self.labels.get(LABEL_COST_OWNER, "")
+
+    @property
+    def fingerprint(self) -> str:
+        """The launch's fingerprint (its label)."""
+        return self.labels.get(LABEL_FINGERPRINT, "")
+
+    def sharing_metadata(self) -> dict[str, str | float]:
+        """Who pays, what it has left, whether on borrowed GPUs, and the fingerprint: for a materialization."""
+        md: dict[str, str | float] = {"cost_owner": self.cost_owner, "fingerprint": self.fingerprint}
+        if self.route is not None and self.route.quota:
+            md["quota"] = self.route.quota
+        if self.labels.get(LABEL_BORROWED) == "true":
+            md["borrowed_quota"] = "true"
+        if self.budget is not None:
+            md.update(self.budget.metadata())
+        return md
 
     @property
     def secrets(self) -> dict[str, str]:
@@ -141,7 +167,9 @@ class LaunchRequest:
         return dataclasses.replace(self, inputs={**self.inputs, **inputs})
 
 
-def resolve(request: LaunchRequest, fleet: Fleet, *, usage: Usage | None = None) -> ResolvedJob:
+def resolve(
+    request: LaunchRequest, fleet: Fleet, *, usage: Usage | None = None, outlook: Outlook | None = None
+) -> ResolvedJob:
     """Routes a request and applies the fleet rules: the task that would run, without running it.
 
     Who pays: the launch's own setting, then the task's ``gpudoor-cost-owner`` label, then the
@@ -151,7 +179,8 @@ def resolve(request: LaunchRequest, fleet: Fleet, *, usage: Usage | None = None)
     Args:
         request: the launch request.
         fleet: the fleet.
-        usage: what is held right now, for live cap checks.
+        usage: what is held right now, for live cap and quota checks.
+        outlook: how soon each pool would start the job (start soonest); None: the route's order.
 
     Raises:
         LaunchConfigError: everything wrong with the spec, an override or a rule, at once; nothing
@@ -180,6 +209,7 @@ def resolve(request: LaunchRequest, fleet: Fleet, *, usage: Usage | None = None)
             task_infra(spec.config.get("resources") or {}, spec.path, fleet, problems),
             (spec.path, "resources.infra"),
         )
+    cost_owner = request.cost_owner or own.cost_owner or request.default_cost_owner or fleet.default_cost_owner
     try:
         chosen = route(
             spec,
@@ -188,7 +218,10 @@ def resolve(request: LaunchRequest, fleet: Fleet, *, usage: Usage | None = None)
             pool=request.pool,
             infra=infra,
             user=request.user,
+            owner=cost_owner,
+            session=request.interactive,
             usage=usage,
+            outlook=outlook,
             infra_field=infra_field,
         )
     except LaunchConfigError as e:
@@ -197,7 +230,6 @@ def resolve(request: LaunchRequest, fleet: Fleet, *, usage: Usage | None = None)
     identity = {**request.dagster, **{k: v for k, v in ours.items() if v}}
     if identity.get("dagster/run-id"):
         identity["dagster/deployment"] = deployment_name()
-    cost_owner = request.cost_owner or own.cost_owner or request.default_cost_owner or fleet.default_cost_owner
     ttl = request.ttl_hours if request.ttl_hours is not None else own.ttl_hours
     ctx = LaunchContext(
         cost_owner=cost_owner,
@@ -222,6 +254,8 @@ def resolve(request: LaunchRequest, fleet: Fleet, *, usage: Usage | None = None)
         problems.append(e)
     if problems:
         raise LaunchConfigError.combine(problems)
+    printed = fingerprint(ruled.config, fleet)
+    ruled.config["resources"]["labels"][LABEL_FINGERPRINT] = printed
     return ResolvedJob(
         name=request.job_name,
         config=ruled.config,
@@ -230,7 +264,7 @@ def resolve(request: LaunchRequest, fleet: Fleet, *, usage: Usage | None = None)
         pool_env=ruled.injected_env,
         cluster_name=request.cluster_name,
         route=chosen,
-        labels=ruled.labels,
+        labels={**ruled.labels, LABEL_FINGERPRINT: printed},
         notes=ruled.notes,
         secret_names=ruled.secret_names,
         spec_path=spec.path,

@@ -12,41 +12,13 @@ pool the pool's GPU preference (a task's GPU set has no order of its own). The f
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
 
 from gpudoor_pipelines.launch.errors import LaunchConfigError
 from gpudoor_pipelines.launch.resolve.fleet import Fleet, Pool, did_you_mean, label_value
+from gpudoor_pipelines.launch.resolve.sharing import quota_verdict
 from gpudoor_pipelines.launch.resolve.sky_parse import Candidate
 from gpudoor_pipelines.launch.resolve.specs import TaskSpec
-
-
-@dataclasses.dataclass(frozen=True)
-class Usage:
-    """What jobs that have not ended hold right now, for cap checks.
-
-    Attributes:
-        gpus: GPUs per pool.
-        vcpus: vCPUs of CPU-only jobs per pool.
-        user_gpus: GPUs per (user, pool).
-    """
-
-    gpus: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    vcpus: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    user_gpus: Mapping[tuple[str, str], int] = dataclasses.field(default_factory=dict)
-
-    @classmethod
-    def tally(cls, jobs: Iterable[tuple[str, str, int, int]]) -> Usage:
-        """Sums ``(pool, user, GPUs, vCPUs)`` of unfinished jobs; a job with GPUs counts by its GPUs only."""
-        gpus: dict[str, int] = {}
-        vcpus: dict[str, int] = {}
-        user_gpus: dict[tuple[str, str], int] = {}
-        for pool, user, job_gpus, job_vcpus in jobs:
-            if job_gpus:
-                gpus[pool] = gpus.get(pool, 0) + job_gpus
-                user_gpus[(user, pool)] = user_gpus.get((user, pool), 0) + job_gpus
-            else:
-                vcpus[pool] = vcpus.get(pool, 0) + job_vcpus
-        return cls(gpus=gpus, vcpus=vcpus, user_gpus=user_gpus)
+from gpudoor_pipelines.launch.resolve.usage import Outlook, Usage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +34,9 @@ class Route:
         vcpus_per_node: vCPUs per node of a CPU-only job (0 for a GPU job: its GPUs are what counts).
         reason: the rule that decided, in words (shown by ``gpudoor where`` and in metadata).
         skipped: pools passed over, with why.
+        borrowed: the job runs beyond its cost owner's quota, on the pool's idle GPUs.
+        session: an interactive session (a ``dev-…``/``lab-…`` cluster, a demo).
+        quota: what the pool's quotas said, in words (empty where the pool has none).
     """
 
     pool: Pool
@@ -73,6 +48,9 @@ class Route:
     skipped: tuple[str, ...] = ()
     vcpus_per_node: int = 0
     candidate: Candidate | None = None
+    borrowed: bool = False
+    session: bool = False
+    quota: str = ""
 
     @property
     def use_spot(self) -> bool:
@@ -109,9 +87,24 @@ class _Misfit:
     fix: str
 
 
-def _fit(
-    spec: TaskSpec, cand: Candidate, pool: Pool, fleet: Fleet, user: str, usage: Usage
-) -> tuple[str | None, int] | _Misfit:
+@dataclasses.dataclass(frozen=True)
+class Who:
+    """Who launches: the user (per-user caps), the cost owner (quotas), and whether it is an interactive session."""
+
+    user: str = "unknown"
+    owner: str | None = None
+    session: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fit:
+    gpu: str | None
+    count: int
+    borrowed: bool = False
+    quota: str = ""
+
+
+def _fit(spec: TaskSpec, cand: Candidate, pool: Pool, fleet: Fleet, who: Who, usage: Usage) -> _Fit | _Misfit:
     """The GPU (or None for CPU-only) and per-node count ``cand`` gets on ``pool``, or why it does not fit."""
     from gpudoor_pipelines.launch.resolve.features import MULTI_NODE, unsupported
 
@@ -147,7 +140,7 @@ def _fit(
                 f"at its vCPU cap ({held}/{cap} vCPUs in use, {need} asked)",
                 "wait for jobs to finish or ask for fewer vCPUs",
             )
-        return None, spec.vcpus
+        return _Fit(None, spec.vcpus)
     gpu = pool.gpu_named(cand.accelerator)
     if gpu is None:
         return _Misfit(
@@ -162,6 +155,7 @@ def _fit(
     per_node = int(cand.count)
     total = per_node * nodes
     # Usage is read back from job labels, where the user name is in its label form.
+    user = who.user
     held, mine = usage.gpus.get(pool.name, 0), usage.user_gpus.get((label_value(user), pool.name), 0)
     if total > pool.gpu_cap:
         return _Misfit(
@@ -175,12 +169,23 @@ def _fit(
             f"{total} GPUs is over pool '{pool.name}' per-user cap of {pool.user_gpu_cap}",
             f"ask for at most {pool.user_gpu_cap} GPUs",
         )
-    if held + total > pool.gpu_cap:
+    if who.session and total > pool.max_interactive_gpus:
+        return _Misfit(
+            "resources.accelerators",
+            f"{total} GPUs for an interactive session (a dev-/lab- cluster or a demo) is over pool '{pool.name}' "
+            f"limit of {pool.max_interactive_gpus} per session (max_interactive_gpus)",
+            f"ask for at most {pool.max_interactive_gpus} GPUs, or run the work as a job (gpudoor launch, a "
+            "managed job)",
+        )
+    verdict = quota_verdict(fleet, pool.name, who.owner and label_value(who.owner), total, usage)
+    if verdict is None and held + total > pool.gpu_cap:
         return _Misfit(
             "resources.accelerators",
             f"at its cap ({held}/{pool.gpu_cap} GPUs in use, {total} asked)",
             "wait for jobs to finish, ask for fewer GPUs, or route to another pool",
         )
+    if verdict is not None and verdict.problem:
+        return _Misfit("resources.accelerators", verdict.problem, verdict.fix)
     if mine + total > pool.user_gpu_cap:
         return _Misfit(
             "resources.accelerators",
@@ -188,7 +193,9 @@ def _fit(
             f"{pool.user_gpu_cap}",
             "wait for your jobs to finish or ask for fewer GPUs",
         )
-    return gpu, per_node
+    if verdict is None:
+        return _Fit(gpu, per_node)
+    return _Fit(gpu, per_node, verdict.borrowed, verdict.said)
 
 
 def _feature_misfit(pool: Pool, missing: dict[str, str]) -> _Misfit:
@@ -201,12 +208,25 @@ def _feature_misfit(pool: Pool, missing: dict[str, str]) -> _Misfit:
 
 
 def _route_to(
-    spec: TaskSpec, pool: Pool, infra: str, reason: str, picked: tuple[str | None, int], cand: Candidate, skipped=()
+    spec: TaskSpec, pool: Pool, infra: str, reason: str, picked: _Fit, cand: Candidate, who: Who, skipped=()
 ) -> Route:
-    gpu, count = picked
-    if gpu is None:
-        return Route(pool, infra, None, 0, spec.num_nodes, reason, tuple(skipped), vcpus_per_node=count, candidate=cand)
-    return Route(pool, infra, gpu, count, spec.num_nodes, reason, tuple(skipped), candidate=cand)
+    if picked.gpu is None:
+        return Route(
+            pool, infra, None, 0, spec.num_nodes, reason, tuple(skipped), vcpus_per_node=picked.count, candidate=cand
+        )
+    return Route(
+        pool,
+        infra,
+        picked.gpu,
+        picked.count,
+        spec.num_nodes,
+        reason,
+        tuple(skipped),
+        candidate=cand,
+        borrowed=picked.borrowed,
+        session=who.session,
+        quota=picked.quota,
+    )
 
 
 def _attempts(spec: TaskSpec, pools: list[Pool]) -> list[tuple[Pool, Candidate]]:
@@ -247,7 +267,10 @@ def route(
     pool: str | None = None,
     infra: str | None = None,
     user: str = "unknown",
+    owner: str | None = None,
+    session: bool = False,
     usage: Usage | None = None,
+    outlook: Outlook | None = None,
     infra_field: tuple[str, str] = ("launch override", "infra"),
 ) -> Route:
     """Chooses the pool, infra and GPU for a spec, and checks that the job can run and fits there.
@@ -265,7 +288,12 @@ def route(
         pool: explicit pool override (run config or the ``gpudoor/pool`` run tag).
         infra: explicit SkyPilot infra override (must belong to a pool of the fleet).
         user: who launches, for per-user caps.
-        usage: what is held right now; no live cap check without it.
+        owner: the cost owner, for its quotas.
+        session: an interactive session (a ``dev-…``/``lab-…`` cluster, a demo): the pool's
+            ``max_interactive_gpus`` holds.
+        usage: what is held right now; no live cap or quota check without it.
+        outlook: how soon each pool would start the job: when several pools of the route can take it,
+            the first that would not queue wins (start soonest); without it, the first that can.
         infra_field: where ``infra`` came from (file and field), for messages.
 
     Raises:
@@ -273,6 +301,7 @@ def route(
             of the pools tried can run it (each one named with why).
     """
     usage = usage or Usage()
+    who = Who(user, owner, session)
     gpus = [c.accelerator for c in spec.candidates if c.accelerator]
     wanted = ", ".join(dict.fromkeys(c.describe() for c in spec.candidates))
     if gpus and not any(fleet.pools[p].gpu_named(g) for p in fleet.pools for g in gpus):
@@ -287,10 +316,10 @@ def route(
         """The first of ``pools`` that can run the job (several when they share the infra named)."""
         misfits: list[tuple[Pool, _Misfit]] = []
         for p, cand in _attempts(spec, pools):
-            picked = _fit(spec, cand, p, fleet, user, usage)
+            picked = _fit(spec, cand, p, fleet, who, usage)
             if not isinstance(picked, _Misfit):
                 why = reason if len(pools) == 1 else f"{reason}, pool '{p.name}' of {[q.name for q in pools]}"
-                return _route_to(spec, p, where, why, picked, cand)
+                return _route_to(spec, p, where, why, picked, cand, who)
             misfits.append((p, picked))
         first = misfits[0][1]
         problems = (f"{p.name}: {m.problem}" if len(pools) > 1 else m.problem for p, m in misfits)
@@ -343,16 +372,22 @@ def route(
 
     skipped: list[str] = []
     misfits: list[_Misfit] = []
+    fits: list[Route] = []
     for p, cand in _attempts(spec, candidates):
-        picked = _fit(spec, cand, p, fleet, user, usage)
+        if any(r.pool.name == p.name for r in fits):
+            continue  # a pool's own preference among the candidates decided already
+        picked = _fit(spec, cand, p, fleet, who, usage)
         if isinstance(picked, _Misfit):
             if cand.accelerator is None or p.gpu_named(cand.accelerator):  # a pool without the GPU is no news
                 skipped.append(f"{p.name}: {cand.describe()}: {picked.problem}")
                 misfits.append(picked)
             continue
-        if skipped:
-            why += f" (passed over {', '.join(dict.fromkeys(s.split(':')[0] for s in skipped))})"
-        return _route_to(spec, p, p.infra, why, picked, cand, skipped)
+        passed = f" (passed over {', '.join(dict.fromkeys(s.split(':')[0] for s in skipped))})" if skipped else ""
+        fits.append(_route_to(spec, p, p.infra, why + passed, picked, cand, who, skipped))
+        if outlook is None:
+            break
+    if fits:
+        return _soonest(fits, outlook)
     names = [p.name for p in candidates]
     if not skipped:
         raise LaunchConfigError(
@@ -369,3 +404,21 @@ def route(
     else:
         fix = "change what the reasons name, ask for a GPU another pool offers, or wait for capacity"
     raise LaunchConfigError(spec.path, field, f"no pool on the {why} {names} can run it: {'; '.join(skipped)}", fix)
+
+
+def _soonest(fits: list[Route], outlook: Outlook | None) -> Route:
+    """Of the routes that can take the job, in route order, the first whose pool would not queue it (start
+    soonest); the first when each would, or none can say. The reason gives the numbers it weighed."""
+    if outlook is None or len(fits) == 1:
+        return fits[0]
+    said: list[str] = []
+    for r in fits:
+        queues, why = outlook.judge(r)
+        said += [why] if why else []
+        if not queues:
+            break
+    else:
+        r = fits[0]
+    if not any(said):
+        return r
+    return dataclasses.replace(r, reason=f"{r.reason}; start soonest: {', '.join(said)}")

@@ -24,7 +24,9 @@ from typing import Any
 
 from gpudoor_pipelines.launch.errors import LaunchConfigError, PolicyRejection
 from gpudoor_pipelines.launch.labels import (
+    LABEL_BORROWED,
     LABEL_COST_OWNER,
+    LABEL_FINGERPRINT,
     LABEL_INTERACTIVE,
     LABEL_POOL,
     LABEL_SIGNATURE,
@@ -217,22 +219,32 @@ def placement_rule(d: Draft) -> None:
 
 
 def priority_class_rule(d: Draft) -> None:
-    """On production pools research runs at the pool's low priority, so serving can evict it."""
-    wanted = d.route.pool.priority_class
+    """On production pools research runs at the pool's low priority, so serving can evict it; an interactive
+    session at the pool's interactive class, a job on borrowed GPUs at its borrowed class (evicted first).
+
+    A class the pool itself hands out, set by an earlier pass of the rules, is replaced: the launcher may
+    have judged a job within quota that the server, counting what is held, finds borrowing."""
+    pool, route = d.route.pool, d.route
+    why, wanted = "production pool", pool.priority_class
+    if route.session and pool.interactive_priority_class:
+        why, wanted = "interactive session", pool.interactive_priority_class
+    elif route.borrowed and pool.borrowed_priority_class:
+        why, wanted = "borrowed GPUs: evicted first", pool.borrowed_priority_class
     if not wanted:
         return
     pod_spec = (
         d.task.setdefault("config", {}).setdefault("kubernetes", {}).setdefault("pod_config", {}).setdefault("spec", {})
     )
     asked = pod_spec.get("priorityClassName")
-    if asked not in (None, wanted):
+    own = {pool.priority_class, pool.interactive_priority_class, pool.borrowed_priority_class} - {None}
+    if asked is not None and asked not in own:
         d.reject(
             PRIORITY_FIELD,
-            f"'{asked}' on production pool '{d.route.pool.name}'",
+            f"'{asked}' on production pool '{pool.name}'",
             f"remove it; research jobs on this pool run at priority class '{wanted}'",
         )
     pod_spec["priorityClassName"] = wanted
-    d.notes.append(f"priority class '{wanted}' (production pool)")
+    d.notes.append(f"priority class '{wanted}' ({why})")
 
 
 def autostop_rule(d: Draft) -> None:
@@ -279,7 +291,14 @@ def labels_rule(d: Draft) -> None:
             ours[LABEL_SIGNATURE] = identity_signature(ours, d.injected.sign_key)
         elif (signed := (d.resources.get("labels") or {}).get(LABEL_SIGNATURE)) is not None:
             ours[LABEL_SIGNATURE] = str(signed)  # a pass without the key keeps the launcher's; the server checks it
+    given = d.resources.get("labels") or {}
+    if given.get(LABEL_FINGERPRINT):  # the launcher's: a later pass (the server's) keeps it
+        ours[LABEL_FINGERPRINT] = label_value(str(given[LABEL_FINGERPRINT]))
+    if d.route.borrowed or d.fleet.sharing.has_quotas(d.route.pool.name):
+        ours[LABEL_BORROWED] = "true" if d.route.borrowed else "false"
     d.resources["labels"] = {**own, **ours, LABEL_POOL: label_value(d.route.pool.name)}
+    if d.route.quota:
+        d.notes.append(f"quota: {d.route.quota}")
 
 
 def pool_env(route: Route) -> dict[str, str]:

@@ -34,13 +34,14 @@ from sky.server.requests.request_names import AdminPolicyRequestName  # noqa: E4
 from gpudoor_pipelines.launch.errors import LaunchConfigError, PoolFull  # noqa: E402
 from gpudoor_pipelines.launch.labels import (  # noqa: E402
     INTERACTIVE_PREFIXES,
+    LABEL_BORROWED,
     LABEL_KEY_ENV,
     LABEL_POOL,
     STEP_CLUSTER_PREFIX,
     TRANSIT_SECRET_NAMES,
 )
 from gpudoor_pipelines.launch.resolve.fleet import Fleet, load_fleet, normalize_infra  # noqa: E402
-from gpudoor_pipelines.launch.resolve.routing import Usage, route  # noqa: E402
+from gpudoor_pipelines.launch.resolve.routing import route  # noqa: E402
 from gpudoor_pipelines.launch.resolve.rules import (  # noqa: E402
     Injected,
     LaunchContext,
@@ -49,6 +50,7 @@ from gpudoor_pipelines.launch.resolve.rules import (  # noqa: E402
     without_identity,
 )
 from gpudoor_pipelines.launch.resolve.specs import TaskSpec, parse_accelerators, task_infra, task_problems  # noqa: E402
+from gpudoor_pipelines.launch.resolve.usage import Usage  # noqa: E402
 
 #: Requests SkyPilot makes for its own controllers: not user jobs.
 CONTROLLER_REQUESTS = (AdminPolicyRequestName.JOBS_LAUNCH_CONTROLLER, AdminPolicyRequestName.SERVE_LAUNCH_CONTROLLER)
@@ -130,6 +132,7 @@ def mutate_config(
     fleet: Fleet,
     *,
     interactive: bool = False,
+    session: bool = False,
     user: str | None = None,
     at_client_side: bool = False,
     source: str = "(request)",
@@ -139,7 +142,10 @@ def mutate_config(
 
     The same checks as the launcher and ``gpudoor where``, all problems at once. Pure apart from
     reading the server's credentials from the environment (server side only). With ``usage`` (what
-    unfinished jobs hold now), the pool's and the user's caps count it.
+    unfinished jobs hold now), the pool's and the user's caps and the cost owners' quotas count it; a pass
+    without it (the client's, the jobs controller's launch of the job's own cluster) keeps the verdict of the
+    pass that counted: a job labelled borrowed stays borrowed. ``session``: a ``dev-…``/``lab-…`` cluster,
+    held to the pool's ``max_interactive_gpus``.
 
     Raises:
         PoolFull: the job fits its pool, but not with what is held now.
@@ -172,6 +178,8 @@ def mutate_config(
         infra=infra,
         pool=pool.name if pool and infra and pool.owns_infra(infra) else None,
         user=ctx.user,
+        owner=ctx.cost_owner,
+        session=session,
         infra_field=(source, "resources.infra"),
     )
     try:
@@ -183,14 +191,10 @@ def mutate_config(
             except LaunchConfigError:
                 fits = None
             if fits is not None:  # it fits its pool, only not with what is held now
-                raise PoolFull(
-                    fits.pool.name,
-                    source,
-                    "resources.accelerators",
-                    e.problem,
-                    "wait for jobs to finish, or route to another pool",
-                ) from None
+                raise PoolFull(fits.pool.name, source, "resources.accelerators", e.problem, e.fix) from None
         raise LaunchConfigError.combine([*problems, e]) from None
+    if usage is None and labels.get(LABEL_BORROWED) == "true" and not chosen.borrowed:
+        chosen = dataclasses.replace(chosen, borrowed=True)
     injected = Injected(sign_key=sign_key)
     if not at_client_side:  # only the server holds these; a client-side pass leaves them to it
         secrets = {**_server_values(SECRET_ENV_VARS), **_server_values(tuple(fleet.secrets))}
@@ -334,6 +338,7 @@ class GpuDoorPolicy(sky.AdminPolicy):
                     and not cluster_name.startswith(STEP_CLUSTER_PREFIX)
                 )
                 or cluster_name.startswith(INTERACTIVE_PREFIXES),
+                session=cluster_name.startswith(INTERACTIVE_PREFIXES),
                 user=None if user_request.at_client_side or not user_request.user else user_request.user.name,
                 at_client_side=user_request.at_client_side,
                 source=source,
