@@ -9,7 +9,11 @@ Submission (``--repeat`` times each):
 - door, ``live_caps: server`` (the bed's fleet): the same task materialized through
   ``PipesSkyPilotClient`` (spec checks, routing, fleet rules, Pipes session, submission), timed from
   the asset's first line to "Submitted job"; the API server's policy counts what is held;
-- door, ``live_caps: launcher``: the same, the launcher reading what is held before it launches.
+- door, ``live_caps: launcher``: the same, the launcher reading what is held before it launches;
+- door, shipped settings (``live_caps: server``, a weekly budget for the cost owner, the caption route's two
+  pools to choose among by the GPUs free now): once as a machine's first step (no figures kept: the week's
+  history is read before the launch), once as a next step (a new process on the same machine: the figures
+  kept under ``$GPUDOOR_HOME/cache``).
 Those jobs are cancelled once submitted.
 
 End to end (``--e2e``), one 5-second task each, from the call to the job's end:
@@ -106,11 +110,27 @@ def launch_tail_down(infra: str) -> float:
     return time.perf_counter() - start
 
 
-def fleet_file(tmp: Path, live_caps: str, launch_as: str = "managed") -> Path:
+def fleet_file(tmp: Path, live_caps: str, launch_as: str = "managed", *, shipped: bool = False) -> Path:
     fleet = yaml.safe_load((REPO / "testbed" / "fleet.yaml").read_text())
-    path = tmp / f"fleet-{live_caps}-{launch_as}.yaml"
+    if shipped:  # what the shipped fleet adds to a launch: a budget to weigh (the route has two pools already)
+        fleet["sharing"] = {**fleet.get("sharing", {}), "budgets": {"ml-research": {"gpu_hours": 1000, "usd": 5000}}}
+    else:
+        fleet.pop("sharing", None)
+    path = tmp / f"fleet-{live_caps}-{launch_as}{'-shipped' if shipped else ''}.yaml"
     path.write_text(yaml.safe_dump({**fleet, "live_caps": live_caps, "launch_as": {"caption": launch_as}}))
     return path
+
+
+def forget_figures(home: Path, *, machine_too: bool) -> None:
+    """A new step process: the week's figures kept in this process are gone; with ``machine_too``, a new
+    machine: the ones kept under ``$GPUDOOR_HOME/cache`` too."""
+    import shutil
+
+    from gpudoor_pipelines.launch import ledger
+
+    ledger._FIGURES.clear()  # noqa: SLF001 - what a new process starts with
+    if machine_too:
+        shutil.rmtree(home / "cache", ignore_errors=True)
 
 
 def cluster_gone_after(started: float, job_id: str) -> float:
@@ -188,17 +208,30 @@ def main() -> int:
         root = Path(tmp)
         long_specs, transit = _specs(root, LONG_RUN), root / "transit"
         server, launcher = fleet_file(root, "server"), fleet_file(root, "launcher")
-        bare, by_server, by_launcher = [], [], []
+        shipped = fleet_file(root, "server", shipped=True)
+        home = root / "home"
+        os.environ["GPUDOOR_HOME"] = str(home)
+        times: dict[str, list[float]] = {k: [] for k in ("bare", "server", "launcher", "first", "next")}
         for _ in range(args.repeat):
-            bare.append(bare_submit(infra))
-            by_server.append(through_resource(endpoint, long_specs, transit, server))
-            by_launcher.append(through_resource(endpoint, long_specs, transit, launcher))
-        b = statistics.median(bare)
+            times["bare"].append(bare_submit(infra))
+            times["server"].append(through_resource(endpoint, long_specs, transit, server))
+            times["launcher"].append(through_resource(endpoint, long_specs, transit, launcher))
+            forget_figures(home, machine_too=True)
+            times["first"].append(through_resource(endpoint, long_specs, transit, shipped))
+            forget_figures(home, machine_too=False)
+            times["next"].append(through_resource(endpoint, long_specs, transit, shipped))
+        b = statistics.median(times["bare"])
         print(f"submission, median of {args.repeat}:")
         print(f"  bare sky.jobs.launch                       : {b:6.2f} s")
-        for name, times in (("server", by_server), ("launcher", by_launcher)):
-            t = statistics.median(times)
-            print(f"  door, live_caps: {name:<9} asset -> submit : {t:6.2f} s  ({t / b:.2f}x bare)")
+        labels = {
+            "server": "door, live_caps: server   ",
+            "launcher": "door, live_caps: launcher ",
+            "first": "door, shipped, first step ",
+            "next": "door, shipped, next steps ",
+        }
+        for name, label in labels.items():
+            t = statistics.median(times[name])
+            print(f"  {label} asset -> submit : {t:6.2f} s  ({t / b:.2f}x bare)")
         if args.e2e:
             ltd = launch_tail_down(infra)
             managed = bare_end_to_end(infra)

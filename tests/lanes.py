@@ -76,7 +76,12 @@ class Lane:
 #: (testbed/fleet.yaml).
 BED_LANES = {
     "bed-onprem": ["test_client_on_slurm.py", "test_step_cluster_on_slurm.py", "test_warm_pool_night_on_slurm.py"],
-    "bed-h200": ["test_eviction_on_slurm.py", "test_preemption_on_slurm.py", "test_reconciler_on_slurm.py"],
+    "bed-h200": [
+        "test_eviction_on_slurm.py",
+        "test_preemption_on_slurm.py",
+        "test_reconciler_on_slurm.py",
+        "test_sharing_on_slurm.py",
+    ],
 }
 
 
