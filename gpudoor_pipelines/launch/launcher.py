@@ -31,7 +31,7 @@ from gpudoor_pipelines.launch.ledger import Figures, Ledger
 from gpudoor_pipelines.launch.record.goodput import Timeline, report_preemptions
 from gpudoor_pipelines.launch.record.records import BatchPlan
 from gpudoor_pipelines.launch.record.release import ReleaseOutcome, release_and_verify
-from gpudoor_pipelines.launch.resolve.fleet import Fleet, load_fleet
+from gpudoor_pipelines.launch.resolve.fleet import Fleet, load_fleet, normalize_infra
 from gpudoor_pipelines.launch.resolve.request import LaunchRequest, ResolvedJob, resolve
 from gpudoor_pipelines.launch.resolve.sharing import budget_verdict
 from gpudoor_pipelines.launch.resolve.usage import Usage
@@ -90,10 +90,14 @@ class Launcher:
         ``usage=False`` leaves out what is held (``gpudoor where``)."""
         held = _USAGE_READS.submit(self.backend.usage) if usage and self.fleet.live_caps != "server" else None
         figures = _USAGE_READS.submit(self.ledger.figures) if self.ledger.wanted else None
-        pools = self.fleet.routes.get(request.step or "", ()) if request is not None else ()
-        if len(pools) > 1:
-            for infra in dict.fromkeys(self.fleet.pools[p].infra for p in pools):
-                _USAGE_READS.submit(self.backend.free_gpus_at, infra)
+        if request is not None:
+            # The pools of the route that offer one of the job's GPUs: only among several is there a choice.
+            gpus = {c.accelerator.lower() for c in request.spec.candidates if c.accelerator}
+            route = [self.fleet.pools[p] for p in self.fleet.routes.get(request.step or "", ())]
+            pools = [p for p in route if gpus & {g.lower() for g in p.gpus}]
+            if len(pools) > 1:  # one read per cluster: its partitions come in the same answer
+                for infra in {"/".join(normalize_infra(p.infra).split("/")[:2]): p.infra for p in pools}.values():
+                    _USAGE_READS.submit(self.backend.free_gpus_at, infra)
         return Ahead(held, figures)
 
     def resolve(
@@ -160,7 +164,10 @@ class Launcher:
             except PoolFull as e:
                 full.add(e.pool)
                 log(f"The API server says pool '{e.pool}' is full ({e.problem}): routing again.")
-                job = self.resolve(request, full=full)
+                try:
+                    job = self.resolve(request, full=full)
+                except LaunchConfigError:
+                    raise e from None  # no other pool can take it: the server's own numbers say why
                 continue
             self.ledger.took(job.route)
             return job_id, job
