@@ -157,8 +157,6 @@ class Launcher:
                 f"Launching {job.name}{step} on pool '{job.pool}' ({job.route.infra}, {job.route.describe()}) "
                 f"through the {self.backend.name} backend: {job.route.reason}."
             )
-            if job.budget is not None and job.budget.warning:
-                log(f"Budget: {job.budget.warning}.")
             try:
                 job_id = self.backend.submit(job)
             except PoolFull as e:
