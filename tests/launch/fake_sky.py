@@ -51,6 +51,7 @@ class Record:
     user_yaml: str | None = None
     pool: str | None = None
     cluster_name_on_cloud: str | None = None
+    schedule_state: str | None = None  # the job's controller: DONE once it has exited
 
 
 class FakeSky:

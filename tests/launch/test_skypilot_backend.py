@@ -71,3 +71,27 @@ def test_anything_but_an_issued_job_id_is_no_job_before_any_request(job_id):
     for ask in (backend.status, backend.log_tail, backend.follow_logs, backend.cancel):
         with pytest.raises(KeyError, match="no job"):
             ask(job_id)
+
+
+def test_a_warm_pool_goes_down_once_the_controllers_of_its_last_batch_are_done(fake_sky):
+    """A job that has ended may still have its controller at work on its worker (reading its log, cancelling what
+    is left): the pool is taken down once that controller is done, or after a bound, never under it."""
+    import threading
+
+    from tests.launch.fake_sky import Status
+
+    backend = SkyPilotBackend(fake_sky.endpoint)
+    pools = backend._pools  # noqa: SLF001 - the batch's jobs, as submit_batch left them
+    fake_sky.add_job(7, Status.SUCCEEDED)
+    for wait_s, done_after_s in ((30.0, 1.0), (0.5, None)):
+        fake_sky.pools = [{"name": "p", "status": "READY", "target_num_replicas": 1}]
+        fake_sky.records[7].schedule_state = "ALIVE"
+        pools._last_batch["p"] = ["7"]  # noqa: SLF001
+        pools.cleanup_wait_s = wait_s
+        if done_after_s is not None:
+            threading.Timer(done_after_s, lambda: setattr(fake_sky.records[7], "schedule_state", "DONE")).start()
+        started = time.monotonic()
+        backend.release_pool("p")
+        took = time.monotonic() - started
+        assert not fake_sky.pools  # gone
+        assert took >= (done_after_s or wait_s) and took < wait_s + 5, took

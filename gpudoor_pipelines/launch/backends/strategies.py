@@ -181,9 +181,12 @@ class WarmPools:
 
     #: Seconds between looks at a pool that is not ready yet.
     poll_s = 5.0
+    #: How long a pool's release waits for the controllers of its last batch's ended jobs to be done.
+    cleanup_wait_s = 60.0
 
     def __init__(self, backend: SkyPilotBackend) -> None:
         self.backend = backend
+        self._last_batch: dict[str, list[str]] = {}
 
     def submit(self, job: ResolvedJob, num_jobs: int, *, pool_name: str, workers: int) -> list[str]:
         """``sky.jobs.pool_apply`` (when the pool is missing or too small), then one ``sky.jobs.launch(pool=, "
@@ -215,6 +218,7 @@ class WarmPools:
             )
         if len(job_ids) != num_jobs:
             raise RuntimeError(f"SkyPilot returned {len(job_ids)} job ids for {num_jobs} jobs of {job.name}")
+        self._last_batch[pool_name] = list(job_ids)  # a batch is launched once the one before it has ended
         return job_ids
 
     def record(self, pool_name: str) -> dict | None:
@@ -247,8 +251,38 @@ class WarmPools:
         return int(record.get("target_num_replicas") or 0) if record else 0
 
     def release(self, pool_name: str) -> None:
-        """``sky.jobs.pool_down`` of the pool (nothing if there is none)."""
+        """``sky.jobs.pool_down`` of the pool (nothing if there is none), once the controllers of its last
+        batch's ended jobs are done (:meth:`_controllers_done`)."""
+        last = self._last_batch.pop(pool_name, [])
         if self.record(pool_name) is None:
             return
+        self._controllers_done(last)
         sky = sky_sdk.sky()
         sky.get(sky.jobs.pool_down(pool_name))
+
+    def _controllers_done(self, job_ids: list[str]) -> None:
+        """Waits, at most ``cleanup_wait_s``, until the controller of every ended job of ``job_ids`` is done
+        (its ``schedule_state`` DONE). A job that has ended may still have its controller at work on its worker
+        (reading the log, cancelling what is left there): the worker taken down under it turns the job
+        FAILED_CONTROLLER. Jobs not ended (a run interrupted) are released as they are."""
+        if not job_ids:
+            return
+        sky = sky_sdk.sky()
+        ids = [int(j) for j in job_ids]
+        fields = ["job_id", "status", "schedule_state"]
+        deadline = time.monotonic() + self.cleanup_wait_s
+        while time.monotonic() < deadline:
+            records, *_ = sky_sdk.read(
+                lambda: sky.jobs.queue_v2(
+                    refresh=False, skip_finished=False, all_users=True, job_ids=ids, fields=fields
+                )
+            )
+            scheduled = ((sky_records.field(r, "status"), sky_records.field(r, "schedule_state")) for r in records)
+            busy = [
+                state
+                for status, state in scheduled
+                if sky_sdk.state(status).is_terminal and str(getattr(state, "value", state) or "DONE") != "DONE"
+            ]
+            if not busy:
+                return
+            time.sleep(1.0)
