@@ -115,19 +115,27 @@ class Launcher:
             usage = _full(usage or self.backend.usage(), self.fleet, full)
         figures = ahead.figures.result() if ahead.figures is not None else None
         job = resolve(request, self.fleet, usage=usage, outlook=self.ledger.outlook(figures))
-        return self.weigh_budget(job, request, figures)
+        return self._budgeted(job, request, figures)
 
-    def weigh_budget(self, job: ResolvedJob, request: LaunchRequest, figures: Figures | None = None) -> ResolvedJob:
-        """The job with its cost owner's week against its budget (read now when ``figures`` is None).
+    def weigh_budget(self, job: ResolvedJob, request: LaunchRequest) -> ResolvedJob:
+        """The job with its cost owner's week against its budget, the week's figures read now (a batch's launch).
+
+        Raises:
+            LaunchConfigError: as :meth:`_budgeted`.
+        """
+        return self._budgeted(job, request, self.ledger.figures() if self.fleet.sharing.budgets else None)
+
+    def _budgeted(self, job: ResolvedJob, request: LaunchRequest, figures: Figures | None) -> ResolvedJob:
+        """The job with its cost owner's week against its budget (``figures`` None: they could not be read, the
+        launch goes on without them).
 
         Raises:
             LaunchConfigError: the budget is spent and the fleet refuses (``budget_enforce: refuse``); an
                 interactive session is never refused.
         """
-        if not self.fleet.sharing.budgets:
+        if not self.fleet.sharing.budgets or figures is None:
             return job
-        figures = figures if figures is not None else self.ledger.figures()
-        verdict = budget_verdict(self.fleet, job.cost_owner, figures.spent) if figures is not None else None
+        verdict = budget_verdict(self.fleet, job.cost_owner, figures.spent)
         if verdict is not None and verdict.refusal and not request.interactive:
             raise LaunchConfigError(
                 self.fleet.source,
